@@ -1,0 +1,25 @@
+"""The one exception type for mistakes a user can fix, and how entry scripts report it."""
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+
+class UserError(Exception):
+    """A bad flag, file or dataset. Entry scripts print it as one line and exit with code 2.
+
+    The message must name the flag or file and say what would be valid.
+    """
+
+
+def exit_on_user_error(main: Callable[[], object]) -> None:
+    """Run ``main``; turn a ``UserError`` into one line on stderr and exit code 2."""
+    try:
+        main()
+    except UserError as error:
+        _fail(str(error))
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
