@@ -1,0 +1,551 @@
+"""Optimizer and learning-rate scheduler construction, with kohya's flag names and semantics.
+
+Entry scripts call ``add_arguments`` when building the parser, ``validate_args`` right after
+parsing (so a typo or a missing package fails before any model is loaded), then
+``build_optimizer`` and ``build_lr_scheduler`` once the trainable parameters are known.
+
+Optional packages are imported only when their optimizer is chosen: bitsandbytes (the 8-bit
+and paged optimizers), lion-pytorch (Lion), dadaptation (DAdapt*), prodigyopt (Prodigy).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPTIMIZER = "AdamW"
+DEFAULT_LEARNING_RATE = 2e-6  # kohya's default for --learning_rate (train_network.py keeps it)
+
+
+@dataclass(frozen=True)
+class _KnownOptimizer:
+    name: str  # kohya's spelling, shown in messages; matched case-insensitively
+    module: str
+    class_name: str
+    package: str  # what to pip install
+    nesterov: bool = False  # SGD with Nesterov momentum (momentum defaults to 0.9)
+
+
+_KNOWN_OPTIMIZERS = {
+    known.name.lower(): known
+    for known in (
+        _KnownOptimizer("AdamW", "torch.optim", "AdamW", "torch"),
+        _KnownOptimizer("AdamW8bit", "bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
+        _KnownOptimizer("PagedAdamW", "bitsandbytes.optim", "PagedAdamW", "bitsandbytes"),
+        _KnownOptimizer("PagedAdamW8bit", "bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
+        _KnownOptimizer("PagedAdamW32bit", "bitsandbytes.optim", "PagedAdamW32bit", "bitsandbytes"),
+        _KnownOptimizer("Lion", "lion_pytorch", "Lion", "lion-pytorch"),
+        _KnownOptimizer("Lion8bit", "bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
+        _KnownOptimizer("PagedLion8bit", "bitsandbytes.optim", "PagedLion8bit", "bitsandbytes"),
+        _KnownOptimizer("SGDNesterov", "torch.optim", "SGD", "torch", nesterov=True),
+        _KnownOptimizer("SGDNesterov8bit", "bitsandbytes.optim", "SGD8bit", "bitsandbytes", nesterov=True),
+        _KnownOptimizer("DAdaptation", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
+        _KnownOptimizer("DAdaptAdamPreprint", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
+        _KnownOptimizer("DAdaptAdaGrad", "dadaptation", "DAdaptAdaGrad", "dadaptation"),
+        _KnownOptimizer("DAdaptAdam", "dadaptation", "DAdaptAdam", "dadaptation"),
+        _KnownOptimizer("DAdaptAdan", "dadaptation", "DAdaptAdan", "dadaptation"),
+        _KnownOptimizer("DAdaptAdanIP", "dadaptation.experimental", "DAdaptAdanIP", "dadaptation"),
+        _KnownOptimizer("DAdaptLion", "dadaptation", "DAdaptLion", "dadaptation"),
+        _KnownOptimizer("DAdaptSGD", "dadaptation", "DAdaptSGD", "dadaptation"),
+        _KnownOptimizer("Prodigy", "prodigyopt", "Prodigy", "prodigyopt"),
+        _KnownOptimizer("Adafactor", "transformers.optimization", "Adafactor", "transformers"),
+    )
+}
+
+# Schedules diffusers implements (diffusers.optimization.get_scheduler) ...
+_DIFFUSERS_SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "piecewise_constant",
+)
+# ... the ones kohya takes from transformers, and Adafactor's own (a proxy that reports Adafactor's lr).
+_TRANSFORMERS_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+LR_SCHEDULERS = _DIFFUSERS_SCHEDULERS + _TRANSFORMERS_SCHEDULERS + ("adafactor",)
+# Schedules that ignore warmup: a warmup given with them is a mistake (kohya raises too).
+_NO_WARMUP = ("constant", "piecewise_constant", "adafactor")
+# --lr_scheduler_args keys the diffusers schedules accept; the others come from flags.
+_DIFFUSERS_SCHEDULER_KWARGS = ("step_rules", "last_epoch")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the optimizer and learning-rate scheduler options (kohya names and defaults)."""
+    parser.add_argument(
+        "--optimizer_type", type=str, default=DEFAULT_OPTIMIZER,
+        help=f"optimizer (case-insensitive): {', '.join(known.name for known in _KNOWN_OPTIMIZERS.values())}; "
+        "or a class of torch.optim by name (e.g. Adam), or any class by dotted path (e.g. torch.optim.SGD). "
+        f"Default: {DEFAULT_OPTIMIZER}.",
+    )
+    parser.add_argument(
+        "--use_8bit_adam", action="store_true",
+        help="old spelling of --optimizer_type AdamW8bit (needs bitsandbytes). Default: off.",
+    )
+    parser.add_argument(
+        "--use_lion_optimizer", action="store_true",
+        help="old spelling of --optimizer_type Lion (needs lion-pytorch). Default: off.",
+    )
+    parser.add_argument(
+        "--optimizer_args", type=str, default=None, nargs="*",
+        help='extra optimizer arguments as key=value, values read as Python literals, else as text '
+        '(e.g. "weight_decay=0.01 betas=0.9,0.999"). Default: none.',
+    )
+    parser.add_argument(
+        "--learning_rate", type=_positive_float, default=DEFAULT_LEARNING_RATE,
+        help=f"learning rate (> 0) for parameter groups without their own. Default: {DEFAULT_LEARNING_RATE:g}.",
+    )
+    parser.add_argument(
+        "--max_grad_norm", type=_non_negative_float, default=1.0,
+        help="clip the L2 norm of the gradients to this value; 0 disables clipping. Default: 1.0.",
+    )
+    parser.add_argument(
+        "--lr_scheduler", type=str, default="constant", choices=LR_SCHEDULERS, metavar="NAME",
+        help=f"learning-rate schedule: {', '.join(LR_SCHEDULERS)}. Default: constant.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_type", type=str, default="",
+        help="custom scheduler class instead of --lr_scheduler: a name in torch.optim.lr_scheduler "
+        "(e.g. StepLR) or a dotted path; arguments from --lr_scheduler_args. Default: none.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_args", type=str, default=None, nargs="*",
+        help='extra scheduler arguments as key=value (e.g. "T_max=100", or step_rules=... for '
+        "piecewise_constant). Default: none.",
+    )
+    parser.add_argument(
+        "--lr_warmup_steps", type=_steps_or_ratio, default=0,
+        help="warmup length in optimizer steps (integer), or as a fraction of the training steps "
+        "(a number below 1, or a percentage like 10%%). Default: 0.",
+    )
+    parser.add_argument(
+        "--lr_decay_steps", type=_steps_or_ratio, default=0,
+        help="decay length for warmup_stable_decay, in optimizer steps or as a fraction of the "
+        "training steps like --lr_warmup_steps. Default: 0.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_num_cycles", type=_positive_int, default=1,
+        help="number of cosine decays from the peak to the floor: hard restarts for cosine_with_restarts, "
+        "also used by cosine_with_min_lr and warmup_stable_decay. Default: 1.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_power", type=float, default=1.0,
+        help="exponent of the polynomial schedule (1 = linear). Default: 1.0.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_timescale", type=_positive_int, default=None,
+        help="timescale in optimizer steps for inverse_sqrt. Default: the warmup steps, or 10000 without warmup.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_min_lr_ratio", type=float, default=None,
+        help="final learning rate as a fraction of the initial one, for cosine_with_min_lr (required) "
+        "and warmup_stable_decay (default 0). Default: none.",
+    )
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check the optimizer and scheduler options without building anything; raise ``UserError``.
+
+    Imports the chosen optimizer's package (so a missing one is reported before models load)
+    and the custom scheduler class. Does not mutate ``args``.
+    """
+    optimizer_class = resolve_optimizer_class(effective_optimizer_type(args))
+    optimizer_kwargs = _optimizer_kwargs(args)
+    _check_learning_rate(args.learning_rate)
+    scheduler_kwargs = parse_key_value_args(args.lr_scheduler_args, "--lr_scheduler_args")
+    if args.lr_scheduler_type:
+        _resolve_class(args.lr_scheduler_type, torch.optim.lr_scheduler, "--lr_scheduler_type")
+        _refuse_warmup(args, f"--lr_scheduler_type {args.lr_scheduler_type}")
+        return
+    if args.lr_scheduler not in LR_SCHEDULERS:
+        raise UserError(f"--lr_scheduler {args.lr_scheduler!r} is unknown; valid: {', '.join(LR_SCHEDULERS)}")
+    adafactor_own_lr = _is_adafactor(optimizer_class) and bool(
+        optimizer_kwargs.get("relative_step", True) or optimizer_kwargs.get("warmup_init", False)
+    )
+    if args.lr_scheduler == "adafactor" and not adafactor_own_lr:
+        raise UserError(
+            "--lr_scheduler adafactor needs --optimizer_type Adafactor with relative_step=True (its default)"
+        )
+    if adafactor_own_lr:
+        _refuse_warmup(args, "Adafactor with relative_step=True")
+    elif args.lr_scheduler in _NO_WARMUP:
+        _refuse_warmup(args, f"--lr_scheduler {args.lr_scheduler}")
+    if args.lr_scheduler in _DIFFUSERS_SCHEDULERS:
+        _diffusers_scheduler_kwargs(args.lr_scheduler, scheduler_kwargs)
+
+
+def effective_optimizer_type(args: argparse.Namespace) -> str:
+    """``--optimizer_type`` after kohya's old flags ``--use_8bit_adam``/``--use_lion_optimizer``."""
+    optimizer_type = args.optimizer_type or DEFAULT_OPTIMIZER
+    old_flags = [
+        (flag, name)
+        for flag, name in (("--use_8bit_adam", "AdamW8bit"), ("--use_lion_optimizer", "Lion"))
+        if getattr(args, flag[2:], False)
+    ]
+    if len(old_flags) > 1:
+        raise UserError("--use_8bit_adam and --use_lion_optimizer exclude each other; use --optimizer_type instead")
+    if old_flags:
+        flag, name = old_flags[0]
+        if optimizer_type.lower() not in (DEFAULT_OPTIMIZER.lower(), name.lower()):
+            raise UserError(f"{flag} conflicts with --optimizer_type {optimizer_type}; give only --optimizer_type")
+        return name
+    return optimizer_type
+
+
+def resolve_optimizer_class(optimizer_type: str) -> type:
+    """The optimizer class ``--optimizer_type`` names; raises ``UserError`` naming what is wrong.
+
+    Known kohya names are case-insensitive; other names are looked up in ``torch.optim``
+    (case-sensitive, like kohya) or imported as a dotted ``module.Class`` path.
+    """
+    known = _KNOWN_OPTIMIZERS.get(optimizer_type.lower())
+    if known is None:
+        return _resolve_class(optimizer_type, torch.optim, "--optimizer_type")
+    try:
+        module = importlib.import_module(known.module)
+    except ImportError:
+        raise UserError(
+            f"--optimizer_type {known.name} needs the {known.package} package: pip install {known.package}"
+        ) from None
+    optimizer_class = getattr(module, known.class_name, None)
+    if optimizer_class is None:
+        raise UserError(
+            f"--optimizer_type {known.name}: the installed {known.package} has no {known.class_name}; "
+            f"pip install -U {known.package}"
+        )
+    return optimizer_class
+
+
+def parse_key_value_args(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
+    """Parse kohya-style ``key=value`` items (``--optimizer_args``, ``--lr_scheduler_args``).
+
+    A value is a Python literal when ``ast.literal_eval`` reads it (``0.01``, ``True``,
+    ``None``, ``0.9,0.999`` -> tuple), ``true``/``false`` in any case are booleans, anything
+    else is kept as text. An item may hold several pairs separated by spaces (as kohya_ss GUI
+    passes them). Raises ``UserError`` naming ``flag`` for an item that is not ``key=value``.
+    """
+    parsed: dict[str, Any] = {}
+    for item in items or ():
+        for pair in re.split(r"\s+(?=[A-Za-z_]\w*=)", item.strip()):
+            key, separator, text = pair.partition("=")
+            key = key.strip()
+            if not separator or not key.isidentifier():
+                raise UserError(f"{flag}: {pair!r} is not key=value (e.g. weight_decay=0.01 betas=0.9,0.999)")
+            parsed[key] = _parse_value(text.strip())
+    return parsed
+
+
+def build_optimizer(
+    args: argparse.Namespace, param_groups: Iterable[Any]
+) -> tuple[str, str, torch.optim.Optimizer]:
+    """Build the optimizer kohya's ``get_optimizer`` would build for these options.
+
+    ``param_groups`` is what torch optimizers take (not empty): tensors or dicts with ``params``
+    and an optional per-group ``lr`` (groups without one get ``--learning_rate``). The dicts are
+    not mutated. Returns ``(class path, arguments text, optimizer)`` as kohya does, e.g.
+    ``("torch.optim.adamw.AdamW", "weight_decay=0.01", ...)``; ``metadata_value`` joins the two
+    for ``ss_optimizer``. Kohya's adjustments: SGDNesterov* get ``nesterov=True`` and
+    ``momentum=0.9`` unless given; Adafactor defaults to ``relative_step=True`` (also forced by
+    ``warmup_init=True``), in which case it computes its own learning rate, so no ``lr`` is
+    passed and per-group ``lr`` values are dropped (``build_lr_scheduler`` then uses Adafactor's
+    schedule). Raises ``UserError`` for unknown names, missing packages, bad arguments.
+    """
+    optimizer_type = effective_optimizer_type(args)
+    optimizer_class = resolve_optimizer_class(optimizer_type)
+    known = _KNOWN_OPTIMIZERS.get(optimizer_type.lower())
+    kwargs = _optimizer_kwargs(args)
+    lr: float | None = _check_learning_rate(args.learning_rate)
+    groups = [dict(group) if isinstance(group, dict) else group for group in param_groups]
+    if not groups:
+        raise ValueError("build_optimizer needs at least one parameter or parameter group")
+    fixed_kwargs: dict[str, Any] = {}
+
+    if known is not None and known.nesterov:
+        kwargs.setdefault("momentum", 0.9)
+        fixed_kwargs["nesterov"] = True
+    if _is_adafactor(optimizer_class):
+        kwargs.setdefault("relative_step", True)
+        if kwargs.get("warmup_init", False) and not kwargs["relative_step"]:
+            logger.info("Adafactor: warmup_init=True needs relative_step=True; setting it")
+            kwargs["relative_step"] = True
+        if kwargs["relative_step"]:
+            lr = None
+            dropped = [group.pop("lr", None) for group in groups if isinstance(group, dict)]
+            if any(group_lr is not None for group_lr in dropped):
+                logger.warning("Adafactor with relative_step=True computes its own learning rate; per-group lrs are ignored")
+    if optimizer_class.__module__.startswith(("dadaptation", "prodigyopt")):
+        _warn_about_adaptive_lr(args.learning_rate, groups)
+
+    try:
+        optimizer = optimizer_class(groups, lr=lr, **fixed_kwargs, **kwargs)
+    except (TypeError, ValueError) as error:
+        given = " ".join(args.optimizer_args or ()) or "(none)"
+        raise UserError(
+            f"--optimizer_args {given}: {optimizer_class.__name__} rejected them: {' '.join(str(error).split())}"
+        ) from None
+    if callable(getattr(optimizer, "train", None)):
+        optimizer.train()  # schedule-free optimizers start in training mode (kohya does the same)
+    name = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
+    arguments = ",".join(f"{key}={value}" for key, value in kwargs.items())
+    return name, arguments, optimizer
+
+
+def metadata_value(optimizer_name: str, optimizer_arguments: str) -> str:
+    """kohya's ``ss_optimizer`` text: ``name(arguments)``, or just ``name`` without arguments."""
+    return f"{optimizer_name}({optimizer_arguments})" if optimizer_arguments else optimizer_name
+
+
+def resolve_step_count(value: int | float, num_training_steps: int, flag: str = "--lr_warmup_steps") -> int:
+    """Steps meant by a ``--lr_warmup_steps``-style value: a float is a fraction of ``num_training_steps``
+    (truncated, like kohya), an int a step count. Raises ``UserError`` for negative values."""
+    if isinstance(value, bool) or value < 0:
+        raise UserError(f"{flag} {value}: give a step count >= 0 or a fraction below 1")
+    if isinstance(value, float):
+        return int(value * num_training_steps)
+    return int(value)
+
+
+def build_lr_scheduler(
+    args: argparse.Namespace,
+    optimizer: torch.optim.Optimizer,
+    num_training_steps: int,
+    num_processes: int = 1,
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Build the learning-rate scheduler for ``num_training_steps`` optimizer steps.
+
+    ``num_processes``: accelerate's prepared scheduler steps once per process for each
+    optimizer step, so (like kohya) the schedule is built for ``num_training_steps *
+    num_processes`` scheduler steps; integer warmup/decay steps are multiplied too (kohya does
+    not, which shortens warmup on several GPUs), so the flags always count optimizer steps.
+    Fractions are resolved against the multiplied total, as in kohya.
+
+    With an Adafactor that computes its own learning rate (``relative_step=True``) the result
+    is Adafactor's proxy schedule whatever ``--lr_scheduler`` says (as kohya). Raises
+    ``UserError`` for unknown names, bad ``--lr_scheduler_args``, and warmup lengths that do
+    not fit the schedule.
+    """
+    if num_training_steps < 1 or num_processes < 1:
+        raise ValueError(f"num_training_steps ({num_training_steps}) and num_processes ({num_processes}) must be >= 1")
+    total_steps = num_training_steps * num_processes
+    warmup_steps = _scaled_steps(args.lr_warmup_steps, total_steps, num_processes, "--lr_warmup_steps")
+    decay_steps = _scaled_steps(getattr(args, "lr_decay_steps", 0), total_steps, num_processes, "--lr_decay_steps")
+    kwargs = parse_key_value_args(args.lr_scheduler_args, "--lr_scheduler_args")
+    name = args.lr_scheduler
+
+    if args.lr_scheduler_type:
+        _refuse_warmup(args, f"--lr_scheduler_type {args.lr_scheduler_type}")
+        scheduler_class = _resolve_class(args.lr_scheduler_type, torch.optim.lr_scheduler, "--lr_scheduler_type")
+        return _construct(scheduler_class, "--lr_scheduler_args", optimizer, **kwargs)
+
+    adafactor_own_lr = _is_adafactor(type(optimizer)) and optimizer.defaults.get("relative_step", False)
+    if name == "adafactor" or adafactor_own_lr:
+        if not adafactor_own_lr:
+            raise UserError(
+                "--lr_scheduler adafactor needs --optimizer_type Adafactor with relative_step=True (its default)"
+            )
+        if name != "adafactor":
+            logger.warning(f"Adafactor with relative_step=True sets its own learning rate; ignoring --lr_scheduler {name}")
+        _refuse_warmup(args, "Adafactor with relative_step=True")
+        from transformers.optimization import AdafactorSchedule
+
+        return AdafactorSchedule(optimizer, initial_lr=args.learning_rate)
+
+    if name not in LR_SCHEDULERS:
+        raise UserError(f"--lr_scheduler {name!r} is unknown; valid: {', '.join(LR_SCHEDULERS)}")
+    if name in _NO_WARMUP:
+        _refuse_warmup(args, f"--lr_scheduler {name}")
+    if warmup_steps > total_steps:
+        raise UserError(
+            f"--lr_warmup_steps {args.lr_warmup_steps} gives {warmup_steps} steps, more than the {total_steps} "
+            "training steps; lower it"
+        )
+    cycles = args.lr_scheduler_num_cycles
+    min_lr_ratio = getattr(args, "lr_scheduler_min_lr_ratio", None)
+
+    if name in _DIFFUSERS_SCHEDULERS:
+        from diffusers.optimization import get_scheduler
+
+        return get_scheduler(
+            name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+            num_cycles=cycles, power=args.lr_scheduler_power, **_diffusers_scheduler_kwargs(name, kwargs),
+        )
+
+    import transformers.optimization as schedules
+
+    if name == "inverse_sqrt":
+        timescale = getattr(args, "lr_scheduler_timescale", None)
+        timescale = None if timescale is None else timescale * num_processes
+        return _construct(schedules.get_inverse_sqrt_schedule, "--lr_scheduler_args", optimizer,
+                          num_warmup_steps=warmup_steps, timescale=timescale, **kwargs)
+    if name == "cosine_with_min_lr":
+        if min_lr_ratio is None:
+            raise UserError("--lr_scheduler cosine_with_min_lr needs --lr_scheduler_min_lr_ratio (e.g. 0.1)")
+        return _construct(schedules.get_cosine_with_min_lr_schedule_with_warmup, "--lr_scheduler_args", optimizer,
+                          num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+                          num_cycles=cycles / 2, min_lr_rate=min_lr_ratio, **kwargs)
+    # warmup_stable_decay
+    if decay_steps < 1 or warmup_steps + decay_steps > total_steps:
+        raise UserError(
+            f"--lr_scheduler warmup_stable_decay needs --lr_decay_steps >= 1 with warmup + decay <= {total_steps} "
+            f"training steps (got warmup {warmup_steps}, decay {decay_steps})"
+        )
+    return _construct(schedules.get_wsd_schedule, "--lr_scheduler_args", optimizer,
+                      num_warmup_steps=warmup_steps, num_decay_steps=decay_steps,
+                      num_stable_steps=total_steps - warmup_steps - decay_steps,
+                      num_cycles=cycles / 2, min_lr_ratio=min_lr_ratio or 0.0, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = parse_key_value_args(args.optimizer_args, "--optimizer_args")
+    for reserved, instead in (("lr", "--learning_rate"), ("params", "the trainer")):
+        if reserved in kwargs:
+            raise UserError(f"--optimizer_args: {reserved}= is set by {instead}; remove it from --optimizer_args")
+    return kwargs
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        return text
+
+
+def _resolve_class(path: str, default_module: Any, flag: str) -> type:
+    """A class by dotted path, or by bare name in ``default_module`` (kohya's rule)."""
+    module_name, _, class_name = path.rpartition(".")
+    if module_name:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise UserError(f"{flag} {path}: cannot import {module_name} ({error}); install it or fix the path") from None
+    else:
+        module = default_module
+    found = getattr(module, class_name, None)
+    if not isinstance(found, type):
+        if flag == "--optimizer_type" and not module_name:
+            valid = ", ".join(known.name for known in _KNOWN_OPTIMIZERS.values())
+            raise UserError(f"--optimizer_type {path!r} is unknown; valid: {valid}, or a dotted path like torch.optim.SGD")
+        raise UserError(f"{flag} {path}: {getattr(module, '__name__', module_name)} has no class {class_name}")
+    return found
+
+
+def _construct(factory: Any, flag: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return factory(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{flag}: {getattr(factory, '__name__', factory)} rejected them: {' '.join(str(error).split())}") from None
+
+
+def _diffusers_scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    extra = {key: value for key, value in kwargs.items() if key in _DIFFUSERS_SCHEDULER_KWARGS}
+    rejected = sorted(set(kwargs) - set(extra))
+    if rejected:
+        raise UserError(
+            f"--lr_scheduler_args: {', '.join(rejected)} not accepted by --lr_scheduler {name}; accepted: "
+            f"{', '.join(_DIFFUSERS_SCHEDULER_KWARGS)} (cycles and power have their own --lr_scheduler_* flags)"
+        )
+    if name == "piecewise_constant" and not isinstance(extra.get("step_rules"), str):
+        raise UserError('--lr_scheduler piecewise_constant needs --lr_scheduler_args step_rules="1:10,0.1:20,0.01"')
+    return extra
+
+
+def _scaled_steps(value: int | float, total_steps: int, num_processes: int, flag: str) -> int:
+    if isinstance(value, float):
+        return resolve_step_count(value, total_steps, flag)
+    return resolve_step_count(value, total_steps, flag) * num_processes
+
+
+def _refuse_warmup(args: argparse.Namespace, what: str) -> None:
+    if args.lr_warmup_steps:
+        raise UserError(
+            f"--lr_warmup_steps {args.lr_warmup_steps} has no effect with {what}; set it to 0 "
+            "or use a schedule with warmup (e.g. constant_with_warmup)"
+        )
+
+
+def _check_learning_rate(learning_rate: Any) -> float:
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
+        math.isfinite(learning_rate) and learning_rate > 0
+    ):
+        raise UserError(f"--learning_rate {learning_rate}: give a positive number (e.g. 1e-4)")
+    return float(learning_rate)
+
+
+def _is_adafactor(optimizer_class: type) -> bool:
+    return optimizer_class.__name__ == "Adafactor" and optimizer_class.__module__.startswith("transformers")
+
+
+def _warn_about_adaptive_lr(learning_rate: float, groups: list[Any]) -> None:
+    group_lrs = {group.get("lr", learning_rate) for group in groups if isinstance(group, dict)}
+    first_lr = next((group.get("lr", learning_rate) for group in groups if isinstance(group, dict)), learning_rate)
+    if first_lr <= 0.1:
+        logger.warning(f"D-Adaptation/Prodigy expect a learning rate around 1.0, got {first_lr}")
+    if len(group_lrs) > 1:
+        logger.warning(f"D-Adaptation/Prodigy use only the first learning rate ({first_lr}) of several: {sorted(group_lrs)}")
+
+
+# argparse types: they raise ArgumentTypeError, which argparse and --config_file report with the flag
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _steps_or_ratio(text: str) -> int | float:
+    """kohya's int_or_float: ``100`` steps, ``0.1`` or ``10%`` a fraction of the training steps."""
+    text = text.strip()
+    if text.endswith("%"):
+        percent = _number(text[:-1])
+        if not 0 <= percent <= 100:
+            raise argparse.ArgumentTypeError(f"a percentage must be between 0% and 100%, got {text!r}")
+        return percent / 100
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if value.is_integer():
+        return int(value)
+    if value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"give a whole number of steps or a fraction below 1, got {text!r}")
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value

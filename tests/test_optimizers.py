@@ -1,0 +1,381 @@
+"""Optimizers and LR schedulers: kohya names, argument parsing, errors, schedule trajectories."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import types
+
+import pytest
+import torch
+import transformers.optimization
+
+from library import optimizers
+from library.errors import UserError
+
+
+def make_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    optimizers.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2, 2))]
+
+
+def lr_trajectory(args: argparse.Namespace, steps: int, num_processes: int = 1) -> list[float]:
+    """The learning rate used at each optimizer step 0..steps-1 (a prepared scheduler steps once per process)."""
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    scheduler = optimizers.build_lr_scheduler(args, optimizer, steps, num_processes=num_processes)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        for _ in range(num_processes):
+            scheduler.step()
+    return lrs
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizers
+
+
+def test_default_is_adamw_with_kohya_metadata_strings():
+    name, arguments, optimizer = optimizers.build_optimizer(
+        make_args("--learning_rate", "1e-4", "--optimizer_args", "weight_decay=0.01"), params()
+    )
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.param_groups[0]["lr"] == 1e-4 and optimizer.param_groups[0]["weight_decay"] == 0.01
+    assert (name, arguments) == ("torch.optim.adamw.AdamW", "weight_decay=0.01")
+    assert optimizers.metadata_value(name, arguments) == "torch.optim.adamw.AdamW(weight_decay=0.01)"
+    assert optimizers.metadata_value(name, "") == "torch.optim.adamw.AdamW"
+
+
+def test_kohya_default_learning_rate():
+    assert make_args().learning_rate == 2e-6
+
+
+@pytest.mark.parametrize("spelling", ["SGDNesterov", "sgdnesterov", "SGDNESTEROV"])
+def test_sgd_nesterov_gets_momentum_and_nesterov(spelling):
+    name, arguments, optimizer = optimizers.build_optimizer(make_args("--optimizer_type", spelling), params())
+    assert type(optimizer) is torch.optim.SGD
+    assert optimizer.defaults["nesterov"] is True and optimizer.defaults["momentum"] == 0.9
+    assert arguments == "momentum=0.9"  # kohya records the added momentum, not nesterov
+    custom = optimizers.build_optimizer(make_args("--optimizer_type", spelling, "--optimizer_args", "momentum=0.5"), params())
+    assert custom[2].defaults["momentum"] == 0.5
+
+
+def test_adafactor_relative_step_uses_its_own_schedule():
+    args = make_args("--optimizer_type", "Adafactor", "--learning_rate", "1e-3", "--lr_scheduler", "cosine")
+    groups = [{"params": params(), "lr": 1e-4}, {"params": params(), "lr": 2e-4}]
+    name, arguments, optimizer = optimizers.build_optimizer(args, groups)
+    assert type(optimizer) is transformers.optimization.Adafactor
+    assert name == "transformers.optimization.Adafactor" and arguments == "relative_step=True"
+    assert all(group["lr"] is None for group in optimizer.param_groups)  # per-group lrs dropped
+    assert groups[0]["lr"] == 1e-4  # the caller's dicts are not mutated
+    scheduler = optimizers.build_lr_scheduler(args, optimizer, 10)
+    assert type(scheduler) is transformers.optimization.AdafactorSchedule
+    assert scheduler.get_last_lr()[0] == 1e-3  # reports the initial lr before stepping, like kohya
+
+
+def test_adafactor_with_external_lr():
+    args = make_args("--optimizer_type", "adafactor", "--learning_rate", "1e-3",
+                     "--optimizer_args", "relative_step=False", "scale_parameter=False",
+                     "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2")
+    name, arguments, optimizer = optimizers.build_optimizer(args, params())
+    assert optimizer.defaults["lr"] == 1e-3 and optimizer.defaults["relative_step"] is False
+    assert arguments == "relative_step=False,scale_parameter=False"
+    assert lr_trajectory(args, 4) == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+
+
+def test_adafactor_relative_step_refuses_warmup():
+    args = make_args("--optimizer_type", "Adafactor", "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "5")
+    with pytest.raises(UserError, match="--lr_warmup_steps 5 has no effect with Adafactor with relative_step=True"):
+        optimizers.validate_args(args)
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    with pytest.raises(UserError, match="--lr_warmup_steps 5 has no effect"):
+        optimizers.build_lr_scheduler(args, optimizer, 10)
+
+
+def test_adafactor_scheduler_needs_adafactor_optimizer():
+    with pytest.raises(UserError, match="--lr_scheduler adafactor needs --optimizer_type Adafactor"):
+        optimizers.validate_args(make_args("--lr_scheduler", "adafactor"))
+    optimizer = optimizers.build_optimizer(make_args(), params())[2]
+    with pytest.raises(UserError, match="--lr_scheduler adafactor"):
+        optimizers.build_lr_scheduler(make_args("--lr_scheduler", "adafactor"), optimizer, 10)
+
+
+def test_torch_optim_class_by_name_and_by_dotted_path():
+    bare = optimizers.build_optimizer(make_args("--optimizer_type", "Adam"), params())
+    assert type(bare[2]) is torch.optim.Adam and bare[0] == "torch.optim.adam.Adam"
+    dotted = optimizers.build_optimizer(
+        make_args("--optimizer_type", "torch.optim.SGD", "--optimizer_args", "momentum=0.8", "--learning_rate", "0.5"),
+        params(),
+    )
+    assert type(dotted[2]) is torch.optim.SGD
+    assert dotted[2].defaults["momentum"] == 0.8 and dotted[2].defaults["nesterov"] is False
+    assert dotted[2].param_groups[0]["lr"] == 0.5
+
+
+def test_per_group_learning_rates_are_kept():
+    groups = [{"params": params()[:1], "lr": 1e-3}, {"params": params()[1:]}]
+    optimizer = optimizers.build_optimizer(make_args("--learning_rate", "1e-4"), groups)[2]
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-3, 1e-4]
+
+
+# Optional packages: when absent, a clear install hint; the routing itself is checked with a
+# stand-in module that provides a torch optimizer under the package's class name.
+OPTIONAL = [
+    ("AdamW8bit", "bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
+    ("PagedAdamW8bit", "bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
+    ("Lion8bit", "bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
+    ("SGDNesterov8bit", "bitsandbytes.optim", "SGD8bit", "bitsandbytes"),
+    ("Lion", "lion_pytorch", "Lion", "lion-pytorch"),
+    ("Prodigy", "prodigyopt", "Prodigy", "prodigyopt"),
+    ("DAdaptation", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
+    ("DAdaptAdam", "dadaptation", "DAdaptAdam", "dadaptation"),
+]
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+@pytest.mark.parametrize("name, module, class_name, package", OPTIONAL)
+def test_missing_optional_package_says_what_to_install(name, module, class_name, package):
+    if _installed(module):
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(UserError, match=f"--optimizer_type {name} needs the {package} package: pip install {package}"):
+        optimizers.validate_args(make_args("--optimizer_type", name))
+
+
+@pytest.mark.parametrize("name, module, class_name, package", OPTIONAL)
+def test_optional_optimizer_routing(monkeypatch, name, module, class_name, package):
+    base = torch.optim.SGD if "SGD" in class_name else torch.optim.AdamW
+    stand_in = type(class_name, (base,), {"__module__": module})
+    fake = types.ModuleType(module)
+    setattr(fake, class_name, stand_in)
+    monkeypatch.setitem(sys.modules, module, fake)
+    optimizer_name, arguments, optimizer = optimizers.build_optimizer(
+        make_args("--optimizer_type", name.lower(), "--learning_rate", "1.0"), params()
+    )
+    assert type(optimizer) is stand_in and optimizer_name == f"{module}.{class_name}"
+    if "SGD" in class_name:
+        assert optimizer.defaults["nesterov"] is True and arguments == "momentum=0.9"
+
+
+def test_old_flags_map_to_optimizer_type(monkeypatch):
+    fake = types.ModuleType("lion_pytorch")
+    fake.Lion = type("Lion", (torch.optim.AdamW,), {"__module__": "lion_pytorch"})
+    monkeypatch.setitem(sys.modules, "lion_pytorch", fake)
+    assert optimizers.effective_optimizer_type(make_args("--use_lion_optimizer")) == "Lion"
+    assert type(optimizers.build_optimizer(make_args("--use_lion_optimizer"), params())[2]) is fake.Lion
+    assert optimizers.effective_optimizer_type(make_args("--use_8bit_adam")) == "AdamW8bit"
+    with pytest.raises(UserError, match="--use_8bit_adam conflicts with --optimizer_type Lion"):
+        optimizers.effective_optimizer_type(make_args("--use_8bit_adam", "--optimizer_type", "Lion"))
+
+
+def test_unknown_optimizer_names_list_valid_ones():
+    with pytest.raises(UserError) as caught:
+        optimizers.validate_args(make_args("--optimizer_type", "AdamWW"))
+    message = str(caught.value)
+    assert "--optimizer_type 'AdamWW' is unknown" in message and "Prodigy" in message and "SGDNesterov" in message
+    with pytest.raises(UserError, match="--optimizer_type no_such_pkg.Opt: cannot import no_such_pkg"):
+        optimizers.validate_args(make_args("--optimizer_type", "no_such_pkg.Opt"))
+    with pytest.raises(UserError, match="has no class NoSuchOptimizer"):
+        optimizers.validate_args(make_args("--optimizer_type", "torch.optim.NoSuchOptimizer"))
+
+
+def test_optimizer_args_parsing():
+    parsed = optimizers.parse_key_value_args(
+        ["weight_decay=0.01", "betas=0.9,0.999", "decouple=True", "use_bias_correction=true",
+         "d_coef=2 safeguard_warmup=False", "eps=(1e-30, 1e-3)", "mode=fast", "extra=None"],
+        "--optimizer_args",
+    )
+    assert parsed == {
+        "weight_decay": 0.01, "betas": (0.9, 0.999), "decouple": True, "use_bias_correction": True,
+        "d_coef": 2, "safeguard_warmup": False, "eps": (1e-30, 1e-3), "mode": "fast", "extra": None,
+    }
+    assert optimizers.parse_key_value_args(None, "--optimizer_args") == {}
+    for bad in (["weight_decay"], ["=1"], ["0x=1"]):
+        with pytest.raises(UserError, match="--optimizer_args: .* is not key=value"):
+            optimizers.parse_key_value_args(bad, "--optimizer_args")
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--optimizer_args", "weight_decy=0.1"], "--optimizer_args weight_decy=0.1: AdamW rejected them"),
+        (["--optimizer_args", "betas=2.0,0.9"], "--optimizer_args betas=2.0,0.9: AdamW rejected them"),
+        (["--optimizer_args", "lr=1e-3"], "--optimizer_args: lr= is set by --learning_rate"),
+    ],
+)
+def test_bad_optimizer_args_name_the_flag(argv, match):
+    with pytest.raises(UserError, match=match):
+        optimizers.build_optimizer(make_args(*argv), params())
+
+
+def test_learning_rate_must_be_positive(capsys):
+    for value in (0.0, -1e-4, float("nan")):
+        args = make_args()
+        args.learning_rate = value
+        with pytest.raises(UserError, match="--learning_rate"):
+            optimizers.build_optimizer(args, params())
+    for text in ("0", "-1e-4", "inf"):
+        with pytest.raises(SystemExit):
+            make_args("--learning_rate", text)
+        assert "--learning_rate" in capsys.readouterr().err
+
+
+def test_validate_args_accepts_defaults():
+    optimizers.validate_args(make_args())
+    optimizers.validate_args(make_args("--lr_scheduler", "cosine", "--lr_warmup_steps", "0.05"))
+
+
+# ----------------------------------------------------------------------------------------------
+# schedulers
+
+
+@pytest.mark.parametrize("name", [
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+])
+def test_each_builtin_scheduler_builds(name):
+    args = make_args("--lr_scheduler", name)
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    scheduler = optimizers.build_lr_scheduler(args, optimizer, 10)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+    assert scheduler.optimizer is optimizer
+
+
+def test_constant_and_constant_with_warmup():
+    assert lr_trajectory(make_args("--learning_rate", "1e-3"), 3) == [1e-3] * 3
+    ramp = lr_trajectory(make_args("--learning_rate", "1e-3", "--lr_scheduler", "constant_with_warmup",
+                                   "--lr_warmup_steps", "4"), 6)
+    assert ramp == pytest.approx([0.0, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3])
+
+
+def test_linear_and_cosine_follow_their_formulas():
+    total, warmup = 20, 4
+    linear = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "linear",
+                                     "--lr_warmup_steps", str(warmup)), total)
+    cosine = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "cosine",
+                                     "--lr_warmup_steps", str(warmup)), total)
+    for step in range(total):
+        if step < warmup:
+            expected_linear = expected_cosine = step / warmup
+        else:
+            progress = (step - warmup) / (total - warmup)
+            expected_linear = 1 - progress
+            expected_cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        assert linear[step] == pytest.approx(expected_linear)
+        assert cosine[step] == pytest.approx(expected_cosine)
+    assert cosine[warmup + (total - warmup) // 2] == pytest.approx(0.5)  # half way down
+
+
+def test_cosine_with_restarts_and_polynomial():
+    restarts = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "cosine_with_restarts",
+                                       "--lr_scheduler_num_cycles", "2"), 20)
+    assert restarts[0] == pytest.approx(1.0) and restarts[5] == pytest.approx(0.5)
+    assert restarts[10] == pytest.approx(1.0)  # restart at the start of the second cycle
+    poly = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "polynomial",
+                                   "--lr_scheduler_power", "2"), 10)
+    lr_end = 1e-7  # diffusers' default floor
+    for step in range(10):
+        assert poly[step] == pytest.approx((1.0 - lr_end) * (1 - step / 10) ** 2 + lr_end)
+
+
+@pytest.mark.parametrize(
+    "warmup, num_processes, expected_scheduler_steps",
+    [("10", 1, 10), ("0.1", 1, 10), ("10%", 1, 10), ("0.25", 1, 25), ("10", 2, 20), ("0.1", 2, 20)],
+)
+def test_warmup_steps_and_ratios(warmup, num_processes, expected_scheduler_steps):
+    args = make_args("--learning_rate", "1.0", "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", warmup)
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    scheduler = optimizers.build_lr_scheduler(args, optimizer, 100, num_processes=num_processes)
+    factors = [scheduler.lr_lambdas[0](step) for step in range(200)]
+    assert factors.index(1.0) == expected_scheduler_steps
+    # Counted in optimizer steps, the warmup is the same whatever the number of processes.
+    per_optimizer_step = lr_trajectory(args, 100, num_processes=num_processes)
+    assert per_optimizer_step.index(1.0) == expected_scheduler_steps // num_processes
+
+
+def test_warmup_flag_values(capsys):
+    assert make_args("--lr_warmup_steps", "10").lr_warmup_steps == 10
+    assert make_args("--lr_warmup_steps", "0.5").lr_warmup_steps == 0.5
+    assert make_args("--lr_warmup_steps", "5%").lr_warmup_steps == 0.05
+    for bad in ("1.5", "-1", "abc", "150%"):
+        with pytest.raises(SystemExit):
+            make_args("--lr_warmup_steps", bad)
+        assert "--lr_warmup_steps" in capsys.readouterr().err
+
+
+def test_warmup_mistakes_are_user_errors():
+    args = make_args("--lr_warmup_steps", "10")  # with the default constant schedule
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    with pytest.raises(UserError, match="--lr_warmup_steps 10 has no effect with --lr_scheduler constant"):
+        optimizers.build_lr_scheduler(args, optimizer, 100)
+    with pytest.raises(UserError, match="--lr_warmup_steps 10 has no effect"):
+        optimizers.validate_args(args)
+    too_long = make_args("--lr_scheduler", "cosine", "--lr_warmup_steps", "200")
+    with pytest.raises(UserError, match="more than the 100 training steps"):
+        optimizers.build_lr_scheduler(too_long, optimizer, 100)
+
+
+def test_unknown_scheduler_names(capsys):
+    with pytest.raises(SystemExit):
+        make_args("--lr_scheduler", "cosine_annealing")
+    assert "--lr_scheduler" in capsys.readouterr().err
+    args = make_args()
+    args.lr_scheduler = "cosine_annealing"
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    with pytest.raises(UserError, match="--lr_scheduler 'cosine_annealing' is unknown; valid: linear, cosine"):
+        optimizers.build_lr_scheduler(args, optimizer, 10)
+
+
+def test_custom_scheduler_class():
+    for spelling in ("StepLR", "torch.optim.lr_scheduler.StepLR"):
+        args = make_args("--learning_rate", "1.0", "--lr_scheduler_type", spelling,
+                         "--lr_scheduler_args", "step_size=2", "gamma=0.5")
+        assert lr_trajectory(args, 6) == pytest.approx([1.0, 1.0, 0.5, 0.5, 0.25, 0.25])
+    bad = make_args("--lr_scheduler_type", "StepLR", "--lr_scheduler_args", "step_sise=2")
+    optimizer = optimizers.build_optimizer(bad, params())[2]
+    with pytest.raises(UserError, match="--lr_scheduler_args: StepLR rejected them"):
+        optimizers.build_lr_scheduler(bad, optimizer, 10)
+    with pytest.raises(UserError, match="--lr_scheduler_type torch.optim.lr_scheduler.Nope"):
+        optimizers.validate_args(make_args("--lr_scheduler_type", "torch.optim.lr_scheduler.Nope"))
+
+
+def test_scheduler_args_for_builtin_schedules():
+    piecewise = make_args("--learning_rate", "1.0", "--lr_scheduler", "piecewise_constant",
+                          "--lr_scheduler_args", "step_rules=1:2,0.1:4,0.01")
+    assert lr_trajectory(piecewise, 6) == pytest.approx([1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
+    with pytest.raises(UserError, match="piecewise_constant needs --lr_scheduler_args step_rules"):
+        optimizers.validate_args(make_args("--lr_scheduler", "piecewise_constant"))
+    with pytest.raises(UserError, match="--lr_scheduler_args: T_max not accepted by --lr_scheduler cosine"):
+        optimizers.validate_args(make_args("--lr_scheduler", "cosine", "--lr_scheduler_args", "T_max=10"))
+
+
+def test_transformers_schedules_kohya_also_offers():
+    with_min = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "cosine_with_min_lr",
+                                       "--lr_scheduler_min_lr_ratio", "0.1"), 10)
+    for step in range(10):  # one half cosine from 1.0 down to the floor 0.1
+        assert with_min[step] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / 10)))
+    assert with_min[5] == pytest.approx(0.55)
+    args = make_args("--lr_scheduler", "cosine_with_min_lr")
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    with pytest.raises(UserError, match="needs --lr_scheduler_min_lr_ratio"):
+        optimizers.build_lr_scheduler(args, optimizer, 10)
+
+    wsd = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "warmup_stable_decay",
+                                  "--lr_warmup_steps", "2", "--lr_decay_steps", "4"), 10)
+    assert wsd[:2] == pytest.approx([0.0, 0.5]) and wsd[2:6] == pytest.approx([1.0] * 4)
+    assert wsd[6] == pytest.approx(1.0) and wsd[8] == pytest.approx(0.5)
+    with pytest.raises(UserError, match="warmup_stable_decay needs --lr_decay_steps"):
+        optimizers.build_lr_scheduler(make_args("--lr_scheduler", "warmup_stable_decay"), optimizer, 10)
+
+    inverse = lr_trajectory(make_args("--learning_rate", "1.0", "--lr_scheduler", "inverse_sqrt",
+                                      "--lr_warmup_steps", "4"), 17)
+    assert inverse[2] == pytest.approx(0.5) and inverse[4] == pytest.approx(1.0)
+    assert inverse[16] == pytest.approx(1 / math.sqrt(16 / 4))  # 1/sqrt(step / timescale), timescale = warmup
