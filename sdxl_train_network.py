@@ -1,0 +1,77 @@
+"""LoRA training for SDXL: two text encoders, pooled conditioning and size/crop embeddings.
+
+A thin subclass of ``train_network.NetworkTrainer``; flags and files follow kohya-ss
+sd-scripts' ``sdxl_train_network.py``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+import torch
+
+import train_network
+from library import checkpoint_keys, model_loading
+from library.errors import exit_on_user_error
+from library.model_loading import StableDiffusionModels
+
+
+class SdxlNetworkTrainer(train_network.NetworkTrainer):
+    is_sdxl = True
+
+    def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
+        return model_loading.load_models(
+            args.pretrained_model_name_or_path,
+            sdxl=True,
+            model_config_dir=args.model_config_dir,
+            tokenizer_cache_dir=args.tokenizer_cache_dir,
+            vae_path=args.vae,
+        )
+
+    def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
+        """SDXL LoRA keys use the original block names (``input_blocks_4_1_...``) like kohya's files."""
+        return checkpoint_keys.unet_module_name_map(models.unet.config)
+
+    def encode_prompts(
+        self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Penultimate hidden states of both encoders, concatenated, and text encoder 2's pooled projection."""
+        hidden_states = []
+        pooled = None
+        for tokenizer, text_encoder in zip(models.tokenizers, models.text_encoders):
+            input_ids = train_network.tokenize(tokenizer, captions).to(text_encoder.device)
+            output = text_encoder(input_ids, output_hidden_states=True)
+            hidden_states.append(output.hidden_states[-2])
+            if hasattr(output, "text_embeds"):
+                pooled = output.text_embeds
+        return torch.cat(hidden_states, dim=-1), pooled
+
+    def predict(
+        self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+        conditioning: Any, batch: dict[str, Any],
+    ) -> torch.Tensor:
+        hidden_states, pooled = conditioning
+        # SDXL's micro-conditioning: original size, crop top-left and target size, per image.
+        time_ids = torch.cat(
+            [batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"]], dim=1
+        ).to(noisy_latents.device, dtype=noisy_latents.dtype)
+        return models.unet(
+            noisy_latents,
+            timesteps,
+            hidden_states,
+            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+        ).sample
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = train_network.setup_parser()
+    parser.description = __doc__.splitlines()[0]
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    train_network.main(SdxlNetworkTrainer, setup_parser, argv)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,457 @@
+"""LoRA training for Stable Diffusion 1.x/2.x, and the trainer shared with SDXL.
+
+Flags, defaults and output files follow kohya-ss sd-scripts. The loop reads top to
+bottom: batch -> noise -> forward -> loss -> backward -> guard -> step -> log -> save;
+each concern it touches lives in one ``library/`` module.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm import tqdm
+
+from library import config_file, grad_guard, lora_files, losses, model_loading, noise, optimizers
+from library.datasets import dataset as datasets
+from library.errors import UserError, exit_on_user_error
+from library.grad_log import GradientLog, install_flush_handlers
+from library.lora_metadata import modelspec_metadata, training_metadata
+from library.loss_scaling import create_loss_scaler
+from library.model_loading import StableDiffusionModels
+from networks import lora
+
+MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the run itself (steps, precision, logging) shared by every trainer."""
+    parser.add_argument("--max_train_steps", type=int, default=1600, help="optimizer steps to train (default 1600)")
+    parser.add_argument("--max_train_epochs", type=int, default=None,
+                        help="epochs to train; overrides --max_train_steps when given")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed)")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                        help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--gradient_checkpointing", action="store_true",
+                        help="recompute activations in backward to save memory")
+    parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
+                        help="autocast dtype (default no); fp16 adds a GradScaler owned by this trainer")
+    parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
+    parser.add_argument("--clip_skip", type=int, default=None,
+                        help="use the output of the N-th last text encoder layer (SD1.x/2.x; default: the last)")
+    parser.add_argument("--logging_dir", type=str, default=None, help="folder for tracker logs (tensorboard)")
+    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
+                        help="trackers to log to (default tensorboard when --logging_dir is given)")
+    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the tracker log folder name")
+    parser.add_argument("--log_tracker_name", type=str, default=None,
+                        help="tracker project name (default network_train)")
+    parser.add_argument("--training_comment", type=str, default=None, help="comment stored in the LoRA metadata")
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
+    """LoRA network options (kohya's train_network.py names)."""
+    parser.add_argument("--network_module", type=str, default="networks.lora",
+                        help="network module; only networks.lora is provided (default networks.lora)")
+    parser.add_argument("--network_dim", type=int, default=None, help="LoRA rank (default 4)")
+    parser.add_argument("--network_alpha", type=float, default=1.0,
+                        help="LoRA alpha; the output is scaled by alpha/dim (default 1)")
+    parser.add_argument("--network_dropout", type=float, default=None,
+                        help="dropout probability on the LoRA down output (default off)")
+    parser.add_argument("--network_args", type=str, default=None, nargs="*",
+                        help="key=value network options: conv_dim, conv_alpha, rank_dropout, module_dropout")
+    parser.add_argument("--network_weights", type=str, default=None, help="LoRA file to continue training from")
+    parser.add_argument("--dim_from_weights", action="store_true",
+                        help="take ranks and alphas from --network_weights instead of --network_dim")
+    parser.add_argument("--network_train_unet_only", action="store_true", help="train only the UNet LoRA")
+    parser.add_argument("--network_train_text_encoder_only", action="store_true",
+                        help="train only the text encoder LoRA")
+    parser.add_argument("--unet_lr", type=float, default=None, help="UNet LoRA learning rate (default --learning_rate)")
+    parser.add_argument("--text_encoder_lr", type=float, default=None, nargs="*",
+                        help="text encoder LoRA learning rate, one value or one per encoder (default --learning_rate)")
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    config_file.add_arguments(parser)
+    model_loading.add_arguments(parser)
+    datasets.add_arguments(parser)
+    lora_files.add_arguments(parser)
+    add_training_arguments(parser)
+    add_network_arguments(parser)
+    noise.add_arguments(parser)
+    losses.add_arguments(parser)
+    optimizers.add_arguments(parser)
+    grad_guard.add_arguments(parser)
+    return parser
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad values before anything is loaded or written."""
+    positive = {
+        "max_train_steps": args.max_train_steps,
+        "max_train_epochs": args.max_train_epochs,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "network_dim": args.network_dim,
+        "train_batch_size": args.train_batch_size,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag} {value} must be a positive integer")
+    for flag in ("learning_rate", "unet_lr"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise UserError(f"--{flag} {value} must be a positive number")
+    if args.text_encoder_lr is not None and any(not lr > 0 for lr in args.text_encoder_lr):
+        raise UserError(f"--text_encoder_lr {args.text_encoder_lr}: learning rates must be positive numbers")
+    if args.network_train_unet_only and args.network_train_text_encoder_only:
+        raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+    if args.network_module != "networks.lora":
+        raise UserError(f"--network_module {args.network_module}: only networks.lora is available")
+    if args.dim_from_weights and not args.network_weights:
+        raise UserError("--dim_from_weights needs --network_weights FILE")
+    if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
+        raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
+    lora_files.validate_arguments(args)
+    optimizers.validate_args(args)
+
+
+class NetworkTrainer:
+    """Trains a LoRA on SD1.x/2.x; ``sdxl_train_network.SdxlNetworkTrainer`` overrides the model hooks."""
+
+    is_sdxl = False
+
+    # -- model hooks (overridden for SDXL) -----------------------------------------------
+    def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
+        return model_loading.load_models(
+            args.pretrained_model_name_or_path,
+            sdxl=False,
+            v2=args.v2,
+            model_config_dir=args.model_config_dir,
+            tokenizer_cache_dir=args.tokenizer_cache_dir,
+            vae_path=args.vae,
+        )
+
+    def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
+        """SD1.x/2.x LoRA keys use the diffusers module paths as they are."""
+        return None
+
+    def encode_prompts(self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]) -> Any:
+        """Text conditioning for the UNet: CLIP hidden states (``--clip_skip`` aware)."""
+        tokenizer, text_encoder = models.tokenizers[0], models.text_encoders[0]
+        input_ids = tokenize(tokenizer, captions).to(text_encoder.device)
+        if not args.clip_skip:
+            return text_encoder(input_ids)[0]
+        output = text_encoder(input_ids, output_hidden_states=True)
+        hidden = output.hidden_states[-args.clip_skip]
+        return text_encoder.text_model.final_layer_norm(hidden)
+
+    def predict(
+        self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Any,
+        batch: dict[str, Any],
+    ) -> torch.Tensor:
+        return models.unet(noisy_latents, timesteps, conditioning).sample
+
+    # -- the run -----------------------------------------------------------------------
+    def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
+        validate_arguments(args)
+        grad_guard.apply_preset(args, explicit)
+        if args.seed is None:
+            args.seed = random.randint(0, 2**31 - 1)
+            print(f"--seed not given: using {args.seed}")
+        seed_everything(args.seed)
+
+        dataset = datasets.build_dataset(args)
+        accelerator = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision="no",  # autocast and the GradScaler are ours: accelerate drops both on CPU
+            log_with=tracker_names(args),
+            project_dir=tracker_dir(args),
+        )
+        device = accelerator.device
+        autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
+
+        models = self.load_models(args)
+        noise_scheduler = noise.training_noise_scheduler()
+        noise.validate_arguments(args, noise_scheduler.config.num_train_timesteps)
+        network = self.create_network(args, models)
+        train_unet = not args.network_train_text_encoder_only
+        train_text_encoder = not args.network_train_unet_only
+        network.apply_to(apply_text_encoder=train_text_encoder, apply_unet=train_unet)
+        if args.network_weights and not args.dim_from_weights:
+            network.load_weights(args.network_weights)
+        self.place_models(args, models, device, autocast_dtype, train_text_encoder)
+        network.to(device)
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(models, train_text_encoder)
+
+        param_groups = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        trainable_params = [p for group in param_groups for p in group["params"]]
+        optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
+
+        dataloader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=1,
+            shuffle=False,  # the dataset orders itself per epoch (keyed by seed and epoch)
+            collate_fn=datasets.collate_single_batch,
+            num_workers=min(args.max_data_loader_n_workers, os.cpu_count() or 1),
+        )
+        network, dataloader = accelerator.prepare(network, dataloader)
+        steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
+        if args.max_train_epochs is not None:
+            args.max_train_steps = args.max_train_epochs * steps_per_epoch
+        num_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
+        lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
+        scaler = create_loss_scaler(args.mixed_precision, device)
+        guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args))
+        grad_log = GradientLog.from_args(args, with_scale=scaler is not None) if accelerator.is_main_process else None
+        log_cosine = grad_log is not None and grad_log.with_cosine
+        monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        if grad_log is not None:
+            grad_log.start()
+            remove_flush_handlers = install_flush_handlers(grad_log.flush)
+
+        metadata = training_metadata(
+            args,
+            models.kind,
+            {
+                "session_id": random.randint(0, 2**32),
+                "training_started_at": time.time(),
+                "num_train_images": dataset.num_train_images,
+                "num_reg_images": dataset.num_reg_images,
+                "num_batches_per_epoch": len(dataloader),
+                "num_epochs": num_epochs,
+                "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
+                "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
+                "dataset_dirs": {args.train_data_dir: {}},
+                "network_args": lora.parse_network_args(args.network_args),
+                "model_name": os.path.basename(args.pretrained_model_name_or_path.rstrip("/\\")),
+            },
+        )
+        metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw))
+        writer = lora_files.LoraWriter(args, metadata)
+        if accelerator.is_main_process:
+            accelerator.init_trackers(args.log_tracker_name or "network_train", config=None)
+
+        print(
+            f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
+            f"{num_epochs} epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision}"
+        )
+        autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no")
+        progress = tqdm(range(args.max_train_steps), desc="steps", disable=not accelerator.is_local_main_process)
+        global_step = 0
+        loss_history: list[float] = []
+        window_losses: list[float] = []
+        non_finite_losses = 0
+        unwrapped_network = accelerator.unwrap_model(network)
+        try:
+            for epoch in range(1, num_epochs + 1):
+                dataset.set_epoch(epoch)
+                network.train()
+                for batch in dataloader:
+                    with accelerator.accumulate(network):
+                        with autocast:
+                            loss = self.compute_loss(
+                                args, models, noise_scheduler, batch, epoch, train_text_encoder, device
+                            )
+                        accelerator.backward(scaler.scale(loss) if scaler else loss)
+                        window_losses.append(loss.detach().item())
+                        if not accelerator.sync_gradients:
+                            continue
+                        loss_value = float(np.mean(window_losses))
+                        window_losses = []
+                        if math.isfinite(loss_value):
+                            loss_history.append(loss_value)
+                        else:
+                            non_finite_losses += 1  # shown, never averaged into avr_loss
+                        measured = monitor.measure(scale=scaler.get_scale() if scaler else None)
+                        decision = guard.decide(global_step + 1, measured.norm)
+                        if decision.skip:
+                            optimizer.zero_grad(set_to_none=True)
+                        else:
+                            self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+                    global_step += 1
+                    avr_loss = float(np.mean(loss_history[-steps_per_epoch:])) if loss_history else float("nan")
+                    if grad_log is not None:
+                        grad_log.append(
+                            epoch=epoch, step=global_step, norm=measured.norm, threshold=decision.threshold,
+                            loss=loss_value, thresh_off=decision.thresh_off,
+                            scale=measured.scale if scaler else None, cosine=measured.cosine if log_cosine else None,
+                        )
+                    postfix = {"avr_loss": f"{avr_loss:.4f}"}
+                    if args.skip_grad_norm:
+                        postfix["skipped"] = guard.skipped_steps
+                    if non_finite_losses:
+                        postfix["nonfinite"] = non_finite_losses
+                    progress.set_postfix(postfix, refresh=False)
+                    progress.update(1)
+                    logs = {
+                        "loss/current": loss_value,
+                        "loss/average": avr_loss,
+                        "train/skipped_steps": guard.skipped_steps,
+                        "train/grad_norm": measured.norm,
+                        "train/grad_threshold": decision.threshold,
+                    }
+                    if scaler:
+                        logs["train/loss_scale"] = measured.scale
+                    for index, lr in enumerate(lr_scheduler.get_last_lr()):
+                        logs[f"lr/group{index}"] = lr
+                    accelerator.log(logs, step=global_step)
+                    if accelerator.is_main_process:
+                        writer.on_step(unwrapped_network, global_step, epoch)
+                    if global_step >= args.max_train_steps:
+                        break
+                if accelerator.is_main_process:
+                    writer.on_epoch_end(unwrapped_network, global_step, epoch, is_last_epoch=epoch == num_epochs)
+                if global_step >= args.max_train_steps:
+                    break
+        finally:
+            progress.close()
+            if grad_log is not None:
+                grad_log.flush()
+                remove_flush_handlers()
+            accelerator.end_training()
+
+        if accelerator.is_main_process:
+            saved = writer.write(unwrapped_network, lora_files.final_file_name(args.output_name), global_step, epoch)
+            if saved is None:
+                sys.exit(1)
+        print(f"done: {global_step} steps, final average loss {avr_loss:.4f}, skipped steps {guard.skipped_steps}")
+
+    # -- pieces of the loop --------------------------------------------------------------
+    def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> lora.LoRANetwork:
+        module_names = self.unet_module_names(models)
+        if args.dim_from_weights:
+            weights = lora.read_lora_file(args.network_weights)
+            network = lora.create_network_from_weights(1.0, weights, models.text_encoders, models.unet, module_names)
+            network.load_state_dict(weights, strict=True)
+            return network
+        return lora.create_network(
+            1.0,
+            args.network_dim,
+            args.network_alpha,
+            models.vae,
+            models.text_encoders,
+            models.unet,
+            neuron_dropout=args.network_dropout,
+            unet_module_names=module_names,
+            **lora.parse_network_args(args.network_args),
+        )
+
+    def place_models(
+        self, args: argparse.Namespace, models: StableDiffusionModels, device: torch.device,
+        autocast_dtype: torch.dtype, train_text_encoder: bool,
+    ) -> None:
+        """Frozen weights go to the device in the autocast dtype (less memory, no per-step cast)."""
+        for model in [models.unet, models.vae, *models.text_encoders]:
+            model.requires_grad_(False)
+        models.unet.to(device, dtype=autocast_dtype)
+        for text_encoder in models.text_encoders:
+            text_encoder.to(device, dtype=autocast_dtype)
+        vae_dtype = torch.float32 if args.no_half_vae else autocast_dtype
+        models.vae.to(device, dtype=vae_dtype)
+        models.vae.eval()
+        models.unet.eval()
+        for text_encoder in models.text_encoders:
+            text_encoder.eval()
+
+    def enable_gradient_checkpointing(self, models: StableDiffusionModels, train_text_encoder: bool) -> None:
+        # diffusers/transformers only checkpoint in training mode; the models have no dropout.
+        models.unet.enable_gradient_checkpointing()
+        models.unet.train()
+        if train_text_encoder:
+            for text_encoder in models.text_encoders:
+                text_encoder.gradient_checkpointing_enable()
+                text_encoder.train()
+
+    def compute_loss(
+        self, args: argparse.Namespace, models: StableDiffusionModels, noise_scheduler, batch: dict[str, Any],
+        epoch: int, train_text_encoder: bool, device: torch.device,
+    ) -> torch.Tensor:
+        """The batch's fp32 loss: encode, add keyed noise, predict, compare with the target."""
+        sample_indices = batch["sample_indices"].tolist()
+        with torch.no_grad():
+            latents = encode_latents(models.vae, batch["images"], args.seed, epoch, sample_indices)
+        with nullcontext() if train_text_encoder else torch.no_grad():
+            conditioning = self.encode_prompts(args, models, batch["captions"])
+        drawn = noise.draw_diffusion_noise(
+            args.seed, epoch, sample_indices, tuple(latents.shape[1:]), noise_scheduler.config.num_train_timesteps,
+            args.min_timestep, args.max_timestep, args.noise_offset,
+        )
+        noise_tensor = drawn.noise.to(device)
+        timesteps = drawn.timesteps.to(device)
+        noisy_latents = noise_scheduler.add_noise(latents, noise_tensor, timesteps)
+        prediction = self.predict(models, noisy_latents, timesteps, conditioning, batch)
+        target = losses.diffusion_target(noise_scheduler, latents, noise_tensor, timesteps, args.v_parameterization)
+        per_sample = losses.per_sample_loss(prediction, target)
+        return losses.weighted_batch_loss(per_sample, batch["loss_weights"])
+
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
+        """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if args.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(trainable_params, args.max_grad_norm)
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            stepped = scaler.get_scale() >= scale_before  # the scale drops only on an overflow
+        else:
+            optimizer.step()
+            stepped = True
+        if stepped:
+            lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
+    return tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+
+
+def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indices: list[int]) -> torch.Tensor:
+    """Scaled VAE latents in fp32, sampled with keyed noise so each image's sample is reproducible."""
+    distribution = vae.encode(images.to(vae.device, dtype=vae.dtype)).latent_dist
+    mean, std = distribution.mean.float(), distribution.std.float()
+    eps = noise.draw_latent_samples(seed, epoch, sample_indices, tuple(mean.shape[1:])).to(mean.device)
+    return (mean + std * eps) * vae.config.scaling_factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def tracker_names(args: argparse.Namespace) -> Optional[list[str]]:
+    if args.log_with == "all":
+        return ["tensorboard", "wandb"]
+    if args.log_with:
+        return [args.log_with]
+    return ["tensorboard"] if args.logging_dir else None
+
+
+def tracker_dir(args: argparse.Namespace) -> Optional[str]:
+    if not args.logging_dir:
+        return None
+    return os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+
+
+def main(trainer_class: type = NetworkTrainer, parser_factory=setup_parser, argv: Optional[list[str]] = None) -> None:
+    """Parse the command line (and ``--config_file``) and train."""
+    parser = parser_factory()
+    args, explicit = config_file.parse_args(parser, argv)
+    trainer_class().train(args, explicit)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
