@@ -24,3 +24,42 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tools.build_tiny_models import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def one_image_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DreamBooth folder with one generated image (repeated 10 times per epoch)."""
+    from tools.make_demo_dataset import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("one_image")
+    make_demo_dataset(str(root), count=1, size=64, repeats=10)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DreamBooth folder with four generated images and .txt captions."""
+    from tools.make_demo_dataset import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("demo_dataset")
+    make_demo_dataset(str(root), count=4, size=72, repeats=1)
+    return root
+
+
+def model_args(tiny_models: dict[str, Path], name: str) -> list[str]:
+    """Flags loading tiny model ``name`` (sdxl, sd15, sd2) from its single file, offline."""
+    return [
+        "--pretrained_model_name_or_path", str(tiny_models[f"{name}_file"]),
+        "--model_config_dir", str(tiny_models[f"{name}_config"]),
+    ]
+
+
+def run_trainer(script: str, argv: list[str]) -> None:
+    """Run ``train_network`` or ``sdxl_train_network`` in this process (much faster than a subprocess)."""
+    import importlib
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    importlib.import_module(script).main(argv=argv)

@@ -1,0 +1,220 @@
+"""The CSV gradient log (``--grad_norm_log``): buffered rows, durable flushes, resume truncation.
+
+File ``gradient_logs+<output_name>.txt`` in ``--grad_norm_log_dir`` (default
+``--output_dir``), header ``Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff``
+then ``,Scale`` with a GradScaler and ``,CosineSim`` with ``--grad_cosine_log``;
+one row per optimizer step (see ``docs/grad_guard_spec.md``).
+
+Typical use by a trainer::
+
+    grad_log = GradientLog.from_args(args, with_scale=scaler is not None)
+    if grad_log:
+        grad_log.start(resume_step=resumed_global_step)   # None for a fresh run
+        uninstall = install_flush_handlers(grad_log.flush)
+    ...  grad_log.append(...) once per optimizer step
+    ...  grad_log.flush() at every state save, at the end and on exceptions
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import csv
+import logging
+import math
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Callable, Iterable
+
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE_PREFIX = "gradient_logs+"
+DEFAULT_OUTPUT_NAME = "last"
+FLUSH_EVERY_ROWS = 100
+BASE_COLUMNS = ("Epoch", "Step", "Gradient Norm", "Threshold", "Loss", "ThreshOff")
+
+
+def format_number(value: float) -> str:
+    """Shortest round-trip text of a float; NaN/Inf as ``nan``/``inf``/``-inf``."""
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value)
+
+
+def log_columns(with_scale: bool, with_cosine: bool) -> list[str]:
+    """The header columns for a log with/without the Scale and CosineSim columns."""
+    return [*BASE_COLUMNS, *(["Scale"] if with_scale else []), *(["CosineSim"] if with_cosine else [])]
+
+
+class GradientLog:
+    """Appends one CSV row per optimizer step to ``path``.
+
+    Invariants: rows are held in memory until ``flush_every`` are pending or
+    :meth:`flush` is called; a flush appends them, flushes and fsyncs the file, so
+    after it returns every appended row is on disk exactly once. Nothing is written
+    before :meth:`start` except by :meth:`flush`/:meth:`truncate_after`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, with_scale: bool, with_cosine: bool,
+                 flush_every: int = FLUSH_EVERY_ROWS) -> None:
+        self.path = Path(path)
+        self.with_scale = with_scale
+        self.with_cosine = with_cosine
+        self.columns = log_columns(with_scale, with_cosine)
+        self.flush_every = flush_every
+        self._pending: list[tuple[int, str]] = []  # (step, CSV line)
+        self._flushing = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, with_scale: bool) -> GradientLog | None:
+        """The log asked for by ``args`` (None without ``--grad_norm_log``).
+
+        ``with_scale``: a GradScaler is in use. ``--grad_cosine_log`` without
+        ``--grad_norm_log`` is warned about and ignored.
+        """
+        if not getattr(args, "grad_norm_log", False):
+            if getattr(args, "grad_cosine_log", False):
+                logger.warning("--grad_cosine_log needs --grad_norm_log; ignoring --grad_cosine_log")
+            return None
+        directory = getattr(args, "grad_norm_log_dir", None) or getattr(args, "output_dir", None)
+        if not directory:
+            raise UserError("--grad_norm_log needs --output_dir or --grad_norm_log_dir to know where to write")
+        name = getattr(args, "output_name", None) or DEFAULT_OUTPUT_NAME
+        return cls(Path(directory) / f"{LOG_FILE_PREFIX}{name}.txt", with_scale=with_scale,
+                   with_cosine=bool(getattr(args, "grad_cosine_log", False)))
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows appended but not yet on disk."""
+        return len(self._pending)
+
+    def start(self, resume_step: int | None = None) -> None:
+        """Prepare the file: a fresh run (``resume_step`` None) starts a new file with the header
+        (replacing an old one); a resumed run keeps the rows up to ``resume_step``."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self._rewrite([])
+        else:
+            self.truncate_after(resume_step)
+
+    def append(self, *, epoch: int, step: int, norm: float, threshold: float, loss: float, thresh_off: int,
+               scale: float | None = None, cosine: float | None = None) -> None:
+        """Buffer one row (Threshold empty when NaN); flush when ``flush_every`` rows are pending.
+        ``scale``/``cosine`` are required exactly when the log has those columns."""
+        if (scale is not None) != self.with_scale or (cosine is not None) != self.with_cosine:
+            raise ValueError(f"{self.path.name} has columns {self.columns}; pass scale/cosine accordingly")
+        threshold_text = "" if math.isnan(threshold) else format_number(threshold)
+        values = [str(int(epoch)), str(int(step)), format_number(norm), threshold_text, format_number(loss),
+                  str(int(thresh_off))]
+        if scale is not None:
+            values.append(format_number(scale))
+        if cosine is not None:
+            values.append(format_number(cosine))
+        self._pending.append((int(step), ",".join(values) + "\n"))
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the pending rows, then flush and fsync. Safe to call any time, also re-entrantly
+        from a signal handler (a nested call returns at once)."""
+        if self._flushing or not self._pending:
+            return
+        self._flushing = True
+        try:
+            count = len(self._pending)
+            text = "".join(line for _, line in self._pending[:count])
+            needs_header = not self.path.exists() or self.path.stat().st_size == 0
+            if needs_header:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                text = ",".join(self.columns) + "\n" + text
+            with open(self.path, "a", encoding="utf-8", newline="") as file:
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+            del self._pending[:count]
+        finally:
+            self._flushing = False
+
+    def truncate_after(self, step: int) -> None:
+        """Drop every row with Step > ``step`` (on disk and pending), so a resumed run logs each
+        step once. Torn rows (a crash mid-write) are dropped too. Rows written with other
+        columns are rewritten to this log's columns (missing ones empty)."""
+        self._pending = [(row_step, line) for row_step, line in self._pending if row_step <= step]
+        if not self.path.exists():
+            self._rewrite([])
+            return
+        with open(self.path, encoding="utf-8", newline="") as file:
+            rows = list(csv.reader(file))
+        if not rows:
+            self._rewrite([])
+            return
+        old_columns, kept = rows[0], []
+        if "Step" not in old_columns:
+            raise UserError(f"{self.path} is not a gradient log (no Step column); move it away or change "
+                            f"--output_name/--grad_norm_log_dir")
+        if old_columns != self.columns:
+            logger.warning("%s: columns change from %s to %s; earlier rows are rewritten (missing values empty)",
+                           self.path, ",".join(old_columns), ",".join(self.columns))
+        step_index = old_columns.index("Step")
+        for row in rows[1:]:
+            if len(row) != len(old_columns):
+                continue
+            try:
+                row_step = int(float(row[step_index]))
+            except ValueError:
+                continue
+            if row_step <= step:
+                by_name = dict(zip(old_columns, row))
+                kept.append([by_name.get(column, "") for column in self.columns])
+        self._rewrite(kept)
+
+    def _rewrite(self, rows: Iterable[list[str]]) -> None:
+        """Atomically replace the file with the header and ``rows`` (temp file, fsync, rename)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with open(temporary, "w", encoding="utf-8", newline="") as file:
+            file.write(",".join(self.columns) + "\n")
+            file.writelines(",".join(row) + "\n" for row in rows)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+
+
+def install_flush_handlers(flush: Callable[[], None],
+                           signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)) -> Callable[[], None]:
+    """Call ``flush`` at interpreter exit and on each of ``signals``, then let the signal do what it
+    did before (SIGINT: KeyboardInterrupt; SIGTERM: terminate by that signal). Signal handlers are
+    only installed from the main thread. Returns a function that removes all of it."""
+    previous: dict[int, object] = {}
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            flush()
+        except Exception:  # the signal must still take effect
+            logger.exception("flushing on signal %d failed", signum)
+        prior = previous.get(signum)
+        if callable(prior):
+            prior(signum, frame)
+        elif prior != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    atexit.register(flush)
+    if threading.current_thread() is threading.main_thread():
+        for signum in signals:
+            previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, handler)
+
+    def uninstall() -> None:
+        atexit.unregister(flush)
+        for signum, prior in previous.items():
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, prior if prior is not None else signal.SIG_DFL)
+
+    return uninstall

@@ -1,0 +1,596 @@
+"""The gradient guard: options, the decision core (vs hand-computed sequences and an
+independent reference), its state, and the fused gradient measurement."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from library import grad_guard
+from library.errors import UserError
+from library.grad_guard import GradGuard, GradientMonitor, GuardConfig
+
+NAN = math.nan
+INF = math.inf
+
+
+def run(config: GuardConfig, norms, start_step: int = 1, guard: GradGuard | None = None):
+    guard = guard or GradGuard(config, announce=lambda line: None)
+    return [guard.decide(step, norm) for step, norm in enumerate(norms, start_step)]
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    grad_guard.add_arguments(parser)
+    args = parser.parse_args(argv)
+    grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, argv))
+    return args
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_defaults_match_the_spec():
+    args = parse([])
+    assert args.skip_grad_norm is False and args.skip_grad_norm_max is None
+    assert args.skip_nan_immediate is True and args.skip_inf_immediate is True
+    assert (args.cap_release_trigger_ratio, args.cap_release_trigger_steps, args.cap_release_length,
+            args.cap_release_scale) == (0.66, 200, 200, 3.0)
+    assert (args.idle_max_steps, args.idle_free_len) == (4000, 200)
+    assert GuardConfig.from_args(args) == GuardConfig()
+
+
+def test_boolean_optional_flags():
+    args = parse(["--no-skip_nan_immediate", "--no-skip_inf_immediate"])
+    assert args.skip_nan_immediate is False and args.skip_inf_immediate is False
+
+
+def test_stable_preset_sets_everything_it_names():
+    args = parse(["--grad_guard_preset", "stable"])
+    assert args.skip_grad_norm and args.grad_norm_log and args.grad_cosine_log
+    assert args.skip_grad_norm_max == 200000
+    assert args.nan_to_window and args.inf_to_window
+    assert args.skip_nan_immediate is False and args.skip_inf_immediate is False
+
+
+def test_minimal_preset():
+    args = parse(["--grad_guard_preset", "minimal"])
+    assert args.skip_grad_norm and args.grad_norm_log and not args.grad_cosine_log
+    assert args.skip_grad_norm_max is None and args.skip_nan_immediate is True
+
+
+def test_explicit_flags_win_over_the_preset():
+    argv = ["--skip_nan_immediate", "--grad_guard_preset", "stable", "--skip_grad_norm_max", "5"]
+    args = parse(argv)
+    assert args.skip_nan_immediate is True  # explicit, although equal to the default
+    assert args.skip_grad_norm_max == 5.0
+    assert args.skip_inf_immediate is False  # from the preset
+
+
+def test_explicit_dests_reports_only_given_options():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--other", default=3)
+    parser.set_defaults(hidden=1)
+    grad_guard.add_arguments(parser)
+    argv = ["--no-skip_inf_immediate", "--idle_max_steps", "4000"]
+    assert grad_guard.explicit_dests(parser, argv) == {"skip_inf_immediate", "idle_max_steps"}
+    assert parser.parse_args([]).other == 3 and parser.parse_args([]).hidden == 1  # defaults restored
+
+
+def test_apply_preset_with_explicit_set_from_a_config_file():
+    args = parse([])
+    args.grad_guard_preset = "stable"
+    args.nan_to_window = False
+    grad_guard.apply_preset(args, {"nan_to_window", "grad_guard_preset"})
+    assert args.nan_to_window is False and args.inf_to_window is True
+
+
+def test_unknown_preset_is_a_user_error():
+    args = parse([])
+    args.grad_guard_preset = "fast"
+    with pytest.raises(UserError, match="--grad_guard_preset"):
+        grad_guard.apply_preset(args, set())
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--skip_grad_norm_max", "-1"), ("--skip_grad_norm_max", "nan"), ("--cap_release_trigger_ratio", "0"),
+    ("--cap_release_trigger_steps", "0"), ("--cap_release_length", "-5"), ("--cap_release_scale", "-3"),
+    ("--idle_max_steps", "0"), ("--idle_free_len", "-1"), ("--nan_inf_until_step", "0"),
+])
+def test_invalid_values_are_user_errors_naming_the_flag(flag, value):
+    with pytest.raises(UserError, match=flag):
+        GuardConfig.from_args(parse([flag, value]))
+
+
+def test_config_file_types_are_checked():
+    args = parse([])
+    args.idle_free_len = 2.5
+    with pytest.raises(UserError, match="--idle_free_len"):
+        GuardConfig.from_args(args)
+    args.idle_free_len = 20.0
+    args.skip_grad_norm_max = 200000  # a TOML integer
+    config = GuardConfig.from_args(args)
+    assert config.idle_free_len == 20 and config.skip_grad_norm_max == 200000.0
+
+
+def test_auto_cap_release_without_max_warns(caplog):
+    GuardConfig.from_args(parse(["--auto_cap_release"]))
+    assert "--auto_cap_release has no effect" in caplog.text
+
+
+# --------------------------------------------------------------------------- decision core, by rule
+
+SKIP = GuardConfig(skip_grad_norm=True)
+
+
+def test_warm_up_threshold_and_cap_ignored_until_the_window_is_full():
+    config = GuardConfig(skip_grad_norm=True, skip_grad_norm_max=5.0)
+    decisions = run(config, [1.0] * 150 + [150000.0, 250000.0] + [1.0] * 47 + [3.0, 1.0])
+    assert all(d.threshold == 200000.0 for d in decisions[:199])
+    assert not decisions[150].skip and decisions[151].skip  # 150000 kept, 250000 skipped
+    assert not any(d.skip for d in decisions[:150])
+    window = [1.0] * 150 + [150000.0, 250000.0] + [1.0] * 47 + [3.0]  # step 200: window is full
+    expected = float(np.mean(window) + 2.5 * np.std(window))
+    assert expected > 5.0 and decisions[199].threshold == 5.0 and not decisions[199].skip
+    assert decisions[200].threshold == 5.0
+
+
+def test_threshold_is_mean_plus_2_5_population_std_including_the_current_norm():
+    decisions = run(SKIP, [1.0] * 200 + [2.0, 1.1])
+    assert decisions[199].threshold == 1.0 and not decisions[199].skip  # std 0, 1.0 > 1.0 is False
+    window = [1.0] * 199 + [2.0]
+    mean = 201 / 200
+    std = math.sqrt((199 * (1 - mean) ** 2 + (2 - mean) ** 2) / 200)
+    assert decisions[200].threshold == pytest.approx(mean + 2.5 * std, rel=1e-12)
+    assert decisions[200].threshold == float(np.mean(window) + 2.5 * np.std(window))
+    assert decisions[200].skip  # 2.0 > 1.18
+    assert not decisions[201].skip and decisions[201].thresh_off == 0
+
+
+def test_nan_in_window_makes_the_threshold_nan_until_it_leaves_200_steps_later():
+    config = GuardConfig(skip_grad_norm=True, nan_to_window=True, skip_nan_immediate=False)
+    norms = [1.0] * 210
+    norms[204] = NAN  # step 205
+    norms += [1e9] * 200 + [1e9]
+    decisions = run(config, norms)
+    assert not decisions[204].skip
+    assert [d.thresh_off for d in decisions[199:204]] == [0] * 5
+    poisoned = decisions[204:404]  # steps 205..404
+    assert all(math.isnan(d.threshold) and d.thresh_off == 1 and not d.skip for d in poisoned)
+    assert decisions[404].thresh_off == 0 and not math.isnan(decisions[404].threshold)  # step 405
+
+
+def test_nan_entered_during_warm_up_poisons_from_the_first_full_window():
+    config = GuardConfig(skip_grad_norm=True, nan_to_window=True, skip_nan_immediate=False)
+    norms = [1.0] * 210
+    norms[4] = NAN  # step 5
+    decisions = run(config, norms)
+    assert decisions[4].threshold == 200000.0 and decisions[4].thresh_off == 0
+    assert all(d.thresh_off == 1 for d in decisions[199:204])  # steps 200..204
+    assert decisions[204].thresh_off == 0 and decisions[204].threshold == 1.0  # step 205
+
+
+def test_inf_in_window_gives_nan_threshold():
+    config = GuardConfig(skip_grad_norm=True, inf_to_window=True, skip_inf_immediate=False)
+    decisions = run(config, [1.0] * 199 + [INF, 5.0])
+    assert math.isnan(decisions[199].threshold) and decisions[199].thresh_off == 1
+    assert not decisions[199].skip and not decisions[200].skip
+
+
+def test_immediate_skips_keep_nan_and_inf_out_of_the_window():
+    guard = GradGuard(SKIP)
+    decisions = run(SKIP, [NAN, INF, -INF, 1.0], guard=guard)
+    assert [d.skip for d in decisions] == [True, True, True, False]
+    assert guard.state_dict()["window"] == [1.0] and guard.skipped_steps == 3
+
+
+def test_no_skip_immediate_variants():
+    config = GuardConfig(skip_grad_norm=True, skip_nan_immediate=False, skip_inf_immediate=False)
+    warm = run(config, [NAN, INF])
+    assert not warm[0].skip  # NaN > 200000 is False
+    assert warm[1].skip  # Inf > 200000
+    full = run(config, [1.0] * 200 + [NAN, INF])
+    assert not full[200].skip and full[201].skip  # Inf against a finite threshold is skipped
+    assert full[200].thresh_off == 0  # NaN kept out of the window
+
+
+def test_nothing_skipped_against_a_nan_threshold():
+    config = GuardConfig(skip_grad_norm=True, nan_to_window=True, skip_nan_immediate=False,
+                         skip_inf_immediate=False)
+    decisions = run(config, [1.0] * 199 + [NAN, 1e12, INF])
+    assert [d.skip for d in decisions[199:]] == [False, False, False]
+
+
+def test_without_skip_grad_norm_nothing_is_skipped_but_thresholds_are_computed():
+    guard = GradGuard(GuardConfig())
+    decisions = run(GuardConfig(), [1.0] * 200 + [NAN, INF, 1e12], guard=guard)
+    assert not any(d.skip for d in decisions) and guard.skipped_steps == 0
+    assert decisions[199].threshold == 1.0
+
+
+def test_nan_inf_until_step_switch_takes_effect_at_step_n_plus_1():
+    lines = []
+    config = GuardConfig(skip_grad_norm=True, nan_to_window=True, skip_nan_immediate=False,
+                         skip_inf_immediate=False, nan_inf_until_step=3)
+    guard = GradGuard(config, announce=lines.append)
+    decisions = run(config, [1.0, 1.0, NAN], guard=guard)
+    assert guard.state_dict()["switched"] is True  # switched right after step N
+    assert guard.options == grad_guard.FORCED_NAN_INF_OPTIONS
+    assert len(lines) == 1 and "--nan_inf_until_step 3" in lines[0] and "at step 3" in lines[0]
+    decisions += run(config, [NAN, INF], start_step=4, guard=guard)
+    assert [d.skip for d in decisions] == [False, False, False, True, True]
+    assert len(guard.state_dict()["window"]) == 3  # the step-3 NaN only
+    assert len(lines) == 1
+
+
+def test_until_step_switches_before_a_step_past_n_when_resumed_late():
+    config = GuardConfig(skip_grad_norm=True, skip_nan_immediate=False, nan_inf_until_step=10)
+    guard = GradGuard(config, announce=lambda line: None)
+    assert guard.decide(50, NAN).skip
+
+
+def test_cap_release_timing_during_warm_up():
+    config = GuardConfig(skip_grad_norm=True, skip_grad_norm_max=100000.0, auto_cap_release=True,
+                         cap_release_trigger_ratio=0.5, cap_release_trigger_steps=3, cap_release_length=2,
+                         cap_release_scale=3.0)
+    thresholds = [d.threshold for d in run(config, [1.0] * 12)]
+    warm, released = 200000.0, 300000.0  # window not full: the pre-cap value (release replaces it)
+    assert thresholds == [warm, warm, warm, released, released] * 2 + [warm, warm]
+
+
+def test_cap_release_with_a_full_window():
+    config = GuardConfig(skip_grad_norm=True, skip_grad_norm_max=8.0, auto_cap_release=True,
+                         cap_release_trigger_ratio=0.5, cap_release_trigger_steps=250, cap_release_length=2,
+                         cap_release_scale=3.0)
+    decisions = run(config, [10.0] * 250 + [20.0, 10.0, 20.0])
+    assert decisions[249].threshold == 8.0 and decisions[249].skip  # step 250: trigger reaches 250
+    assert [d.threshold for d in decisions[250:252]] == [24.0, 24.0]  # steps 251, 252: released
+    assert not decisions[250].skip
+    assert decisions[252].threshold == 8.0 and decisions[252].skip  # step 253: capped again
+
+
+def test_cap_release_trigger_resets_below_ratio_and_needs_a_max():
+    config = GuardConfig(skip_grad_norm=True, skip_grad_norm_max=1000.0, auto_cap_release=True,
+                         cap_release_trigger_ratio=0.5, cap_release_trigger_steps=3, cap_release_length=2)
+    guard = GradGuard(config)
+    run(config, [1.0] * 201, guard=guard)  # full window: pre = 1.0 < 500 resets the trigger
+    assert guard.state_dict()["trigger"] == 0 and guard.state_dict()["release"] == 0
+    no_max = GuardConfig(skip_grad_norm=True, auto_cap_release=True, cap_release_trigger_steps=1)
+    assert all(d.threshold == 200000.0 for d in run(no_max, [1.0] * 5))
+
+
+def test_idle_free_phase_start_length_and_thresh_off_2():
+    config = GuardConfig(skip_grad_norm=True, idle_free_phase=True, idle_max_steps=5, idle_free_len=3)
+    decisions = run(config, [300000.0] * 16)
+    free_steps = [step for step, d in enumerate(decisions, 1) if d.thresh_off == 2]
+    assert free_steps == [5, 6, 7, 13, 14, 15]
+    assert [step for step, d in enumerate(decisions, 1) if not d.skip] == free_steps
+
+
+def test_immediate_skips_still_apply_in_a_free_phase():
+    config = GuardConfig(skip_grad_norm=True, idle_free_phase=True, idle_max_steps=2, idle_free_len=3)
+    decisions = run(config, [1.0, NAN, INF, 1.0])
+    assert [d.thresh_off for d in decisions] == [0, 2, 2, 2]
+    assert [d.skip for d in decisions] == [False, True, True, False]
+
+
+def test_a_nan_appended_to_the_window_resets_the_idle_counter():
+    config = GuardConfig(skip_grad_norm=True, idle_free_phase=True, idle_max_steps=3, idle_free_len=2,
+                         nan_to_window=True, skip_nan_immediate=False)
+    decisions = run(config, [1.0, 1.0, NAN, 1.0, 1.0, 1.0])
+    assert [d.thresh_off for d in decisions] == [0, 0, 0, 0, 0, 2]
+
+
+def test_agree_turns_a_local_keep_into_a_counted_skip():
+    guard = GradGuard(SKIP)
+    decision = guard.decide(1, 1.0, agree=lambda skip: True)
+    assert decision.skip and guard.skipped_steps == 1
+
+
+class _TwoRanks:
+    """Stands in for an Accelerator whose other rank wants ``other_skip``."""
+
+    num_processes = 2
+    device = torch.device("cpu")
+
+    def __init__(self, other_skip: bool):
+        self.other = torch.tensor([1.0 if other_skip else 0.0])
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "max"
+        return torch.maximum(tensor, self.other)
+
+
+def test_agree_across_processes():
+    class Single:
+        num_processes = 1
+
+    assert grad_guard.agree_across_processes(True, Single()) is True
+    assert grad_guard.agree_across_processes(False, _TwoRanks(other_skip=True)) is True
+    assert grad_guard.agree_across_processes(False, _TwoRanks(other_skip=False)) is False
+
+
+# --------------------------------------------------------------------------- independent reference
+
+
+def reference_decisions(norms, c: GuardConfig):
+    """The spec's algorithm written plainly over a list of everything appended so far."""
+    history = []
+    nan_win, inf_win, nan_skip, inf_skip = c.nan_to_window, c.inf_to_window, c.skip_nan_immediate, c.skip_inf_immediate
+    trigger = release = idle = free_count = 0
+    in_free = switched = False
+    out = []
+    for step, n in enumerate(norms, 1):
+        nan, inf = np.isnan(n), np.isinf(n)
+        appended = False
+        if np.isfinite(n):
+            history.append(n)
+        if nan and nan_win or inf and inf_win:
+            history.append(n)
+            appended = True
+        if in_free:
+            free_count += 1
+            if free_count >= c.idle_free_len:
+                in_free, free_count = False, 0
+        else:
+            idle = 0 if appended else idle + 1
+            if c.idle_free_phase and idle >= c.idle_max_steps:
+                in_free, idle, free_count = True, 0, 0
+        window = np.array(history[-200:], dtype=np.float64)
+        full = len(window) == 200
+        with np.errstate(invalid="ignore"):
+            pre = float(window.mean() + 2.5 * window.std()) if full else 200000.0
+        cap = c.skip_grad_norm_max
+        if c.auto_cap_release and cap is not None:
+            if release > 0:
+                cap = c.skip_grad_norm_max * c.cap_release_scale
+                pre = cap
+                release -= 1
+            elif pre == pre and pre >= c.cap_release_trigger_ratio * c.skip_grad_norm_max:
+                trigger += 1
+                if trigger >= c.cap_release_trigger_steps:
+                    release, trigger = c.cap_release_length, 0
+            else:
+                trigger = 0
+        threshold = min(pre, cap) if (full and cap is not None and pre > cap) else pre
+        off = 2 if in_free else int(np.isnan(threshold))
+        if not c.skip_grad_norm:
+            skip = False
+        elif nan and nan_skip or inf and inf_skip:
+            skip = True
+        else:
+            skip = not in_free and n > threshold
+        out.append((skip, threshold, off))
+        if c.nan_inf_until_step is not None and not switched and step >= c.nan_inf_until_step:
+            nan_win, inf_win, nan_skip, inf_skip, switched = False, False, True, True, True
+    return out
+
+
+configs = st.builds(
+    GuardConfig,
+    skip_grad_norm=st.booleans(),
+    skip_grad_norm_max=st.one_of(st.none(), st.sampled_from([0.5, 1.5, 3.0, 100.0, 150000.0])),
+    nan_to_window=st.booleans(), inf_to_window=st.booleans(),
+    skip_nan_immediate=st.booleans(), skip_inf_immediate=st.booleans(),
+    nan_inf_until_step=st.one_of(st.none(), st.integers(1, 400)),
+    auto_cap_release=st.booleans(),
+    cap_release_trigger_ratio=st.sampled_from([0.1, 0.66, 1.0, 2.0]),
+    cap_release_trigger_steps=st.integers(1, 60), cap_release_length=st.integers(1, 60),
+    cap_release_scale=st.sampled_from([0.5, 3.0]),
+    idle_free_phase=st.booleans(), idle_max_steps=st.integers(1, 120), idle_free_len=st.integers(1, 60),
+)
+
+
+@st.composite
+def norm_sequences(draw):
+    length = draw(st.integers(0, 520))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    norms = rng.lognormal(0.0, draw(st.sampled_from([0.1, 0.5, 1.5])), size=length)
+    for _ in range(draw(st.integers(0, 8))):
+        if length:
+            norms[draw(st.integers(0, length - 1))] = draw(st.sampled_from([NAN, INF, 50.0, 1e6, 0.0]))
+    return [float(x) for x in norms]
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs, norm_sequences())
+def test_guard_matches_the_reference(config, norms):
+    guard = GradGuard(config, announce=lambda line: None)
+    got = [guard.decide(step, norm) for step, norm in enumerate(norms, 1)]
+    expected = reference_decisions(norms, config)
+    assert len(got) == len(expected)
+    for step, (decision, (skip, threshold, off)) in enumerate(zip(got, expected), 1):
+        assert decision.skip == skip, step
+        assert decision.thresh_off == off, step
+        assert decision.threshold == threshold or (math.isnan(decision.threshold) and math.isnan(threshold)), step
+    assert guard.skipped_steps == sum(skip for skip, _, _ in expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs, norm_sequences(), st.floats(0.0, 1.0))
+def test_state_dict_round_trip_mid_sequence(config, norms, fraction):
+    split = int(len(norms) * fraction)
+    guard = GradGuard(config, announce=lambda line: None)
+    for step, norm in enumerate(norms[:split], 1):
+        guard.decide(step, norm)
+    state = json.loads(json.dumps(guard.state_dict(), allow_nan=False))  # strictly JSON-able
+    resumed = GradGuard(config, announce=lambda line: None)
+    resumed.load_state_dict(state)
+    for step, norm in enumerate(norms[split:], split + 1):
+        a, b = guard.decide(step, norm), resumed.decide(step, norm)
+        assert (a.skip, a.thresh_off) == (b.skip, b.thresh_off)
+        assert a.threshold == b.threshold or (math.isnan(a.threshold) and math.isnan(b.threshold))
+    assert guard.state_dict() == resumed.state_dict()
+
+
+def test_state_dict_holds_plain_values_and_keeps_the_switch():
+    config = GuardConfig(skip_grad_norm=True, nan_to_window=True, skip_nan_immediate=False, nan_inf_until_step=2)
+    guard = GradGuard(config, announce=lambda line: None)
+    run(config, [NAN, 1.0, 2.0], guard=guard)
+    state = guard.state_dict()
+    assert state["window"] == ["nan", 1.0, 2.0] and state["switched"] is True
+    assert state["nan_inf_options"]["skip_nan_immediate"] is True
+    resumed = GradGuard(config)
+    resumed.load_state_dict(state)
+    assert resumed.options == grad_guard.FORCED_NAN_INF_OPTIONS
+    without_until = GradGuard(GuardConfig(skip_grad_norm=True, nan_to_window=True))
+    without_until.load_state_dict(state)
+    assert without_until.options.nan_to_window is True  # the current flags apply
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def make_parameters(seed: int = 0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(4, 7), (7, 4), (3,), (16, 5), (5, 16), (1,)]
+    parameters = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+    for parameter in parameters:
+        parameter.grad = torch.randn(parameter.shape, generator=generator).to(dtype)
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    return parameters, frozen
+
+
+def flat_grad(parameters):
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten()
+                      for p in parameters])
+
+
+def set_new_grads(parameters, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in parameters:
+        parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)
+
+
+@pytest.mark.parametrize("chunk_numel", [None, 1, 30, 10**6])
+def test_monitor_norm_and_cosine_match_direct_computation(chunk_numel):
+    parameters, frozen = make_parameters()
+    monitor = GradientMonitor(parameters + [frozen], cosine=True, chunk_numel=chunk_numel)
+    first = monitor.measure()
+    assert first.norm == pytest.approx(torch.linalg.vector_norm(flat_grad(parameters)).item(), rel=1e-6)
+    assert math.isnan(first.cosine) and first.scale == 1.0
+    previous = flat_grad(parameters)
+    for seed in (1, 2):
+        set_new_grads(parameters, seed)
+        if seed == 2:
+            for p in parameters:  # partly correlated with the previous step
+                p.grad += 0.5 * torch.ones_like(p)
+        current = flat_grad(parameters)
+        measurement = monitor.measure()
+        expected = torch.nn.functional.cosine_similarity(current, previous, dim=0).item()
+        assert measurement.cosine == pytest.approx(expected, abs=1e-6)
+        assert measurement.norm == pytest.approx(torch.linalg.vector_norm(current).item(), rel=1e-6)
+        previous = current
+
+
+def test_norm_is_bit_identical_with_and_without_cosine():
+    parameters, _ = make_parameters(3)
+    plain = GradientMonitor(parameters)
+    chunked = GradientMonitor(parameters, cosine=True, chunk_numel=20)
+    for seed in range(4):
+        set_new_grads(parameters, seed)
+        assert plain.measure().norm == chunked.measure().norm
+
+
+def test_monitor_does_not_modify_gradients():
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters, cosine=True, unscaled=True, chunk_numel=25)
+    for seed in range(3):
+        set_new_grads(parameters, seed)
+        before = [p.grad.clone() for p in parameters]
+        monitor.measure(scale=torch.tensor([1024.0]))
+        assert all(torch.equal(p.grad, b) for p, b in zip(parameters, before))
+
+
+def test_missing_grads_count_as_zero():
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters, cosine=True, chunk_numel=30)
+    monitor.measure()
+    previous = flat_grad(parameters)
+    set_new_grads(parameters, 5)
+    parameters[0].grad = None
+    parameters[3].grad = None
+    current = flat_grad(parameters)
+    measurement = monitor.measure()
+    assert measurement.norm == pytest.approx(torch.linalg.vector_norm(current).item(), rel=1e-6)
+    expected = torch.nn.functional.cosine_similarity(current, previous, dim=0).item()
+    assert measurement.cosine == pytest.approx(expected, abs=1e-6)
+    set_new_grads(parameters, 6)  # the zeroed slices must not leak stale values two steps later
+    parameters[1].grad = None
+    current2 = flat_grad(parameters)
+    expected2 = torch.nn.functional.cosine_similarity(current2, current, dim=0).item()
+    assert monitor.measure().cosine == pytest.approx(expected2, abs=1e-6)
+
+
+def test_cosine_is_nan_for_zero_and_non_finite_gradients():
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters, cosine=True)
+    monitor.measure()
+    for p in parameters:
+        p.grad.zero_()
+    zero = monitor.measure()
+    assert zero.norm == 0.0 and math.isnan(zero.cosine)
+    set_new_grads(parameters, 1)
+    assert math.isnan(monitor.measure().cosine)  # previous norm was 0
+    parameters[2].grad[0] = math.inf
+    infinite = monitor.measure()
+    assert infinite.norm == math.inf and math.isnan(infinite.cosine)
+    set_new_grads(parameters, 2)
+    assert math.isnan(monitor.measure().cosine)  # previous norm was inf
+    parameters[2].grad[0] = math.nan
+    assert math.isnan(monitor.measure().norm)
+
+
+def test_cosine_off_gives_nan_and_no_buffers():
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters)
+    assert math.isnan(monitor.measure().cosine) and math.isnan(monitor.measure().cosine)
+    assert monitor.state_dict()["previous_gradient"] is None
+
+
+def test_scale_handling_and_unscaled_norm():
+    parameters, _ = make_parameters()
+    raw = torch.linalg.vector_norm(flat_grad(parameters)).item()
+    scaled = GradientMonitor(parameters).measure(scale=torch.tensor([512.0]))
+    assert scaled.norm == pytest.approx(raw, rel=1e-6) and scaled.scale == 512.0
+    unscaled = GradientMonitor(parameters, unscaled=True)
+    assert unscaled.measure(scale=torch.tensor([512.0])).norm == pytest.approx(raw / 512, rel=1e-6)
+    assert unscaled.measure(scale=256.0).norm == pytest.approx(raw / 256, rel=1e-6)
+    assert unscaled.measure().norm == pytest.approx(raw, rel=1e-6)
+
+
+def test_half_precision_gradients_do_not_overflow():
+    parameter = torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))
+    parameter.grad = torch.full((100,), 60000.0, dtype=torch.float16)
+    assert GradientMonitor([parameter]).measure().norm == pytest.approx(600000.0, rel=1e-3)
+
+
+def test_monitor_state_dict_round_trip():
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters, cosine=True, chunk_numel=40)
+    monitor.measure()
+    set_new_grads(parameters, 1)
+    monitor.measure()
+    state = monitor.state_dict()
+    assert isinstance(state["previous_gradient"], torch.Tensor)
+    assert torch.equal(state["previous_gradient"].double(), flat_grad(parameters))
+    resumed = GradientMonitor(parameters, cosine=True)
+    resumed.load_state_dict(state)
+    set_new_grads(parameters, 2)
+    assert resumed.measure().cosine == pytest.approx(monitor.measure().cosine, abs=1e-7)
+
+
+def test_monitor_state_of_another_size_is_dropped_with_a_warning(caplog):
+    parameters, _ = make_parameters()
+    monitor = GradientMonitor(parameters[:2], cosine=True)
+    monitor.measure()
+    other = GradientMonitor(parameters, cosine=True)
+    other.load_state_dict(monitor.state_dict())
+    assert "previous gradient has" in caplog.text
+    assert math.isnan(other.measure().cosine)

@@ -1,0 +1,136 @@
+"""tools/replay_grad_guard.py: reproduces a training run's own decisions from its gradient log."""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from library import grad_guard
+from library.errors import exit_on_user_error
+from library.grad_log import GradientLog
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOOL = REPO_ROOT / "tools" / "replay_grad_guard.py"
+
+_spec = importlib.util.spec_from_file_location("replay_grad_guard", TOOL)
+replay_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(replay_tool)
+
+
+def training_norms(count: int = 520, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    norms = [float(x) for x in rng.lognormal(3.0, 0.3, size=count)]
+    for index in (30, 260, 400):
+        norms[index] = math.nan
+    for index in (120, 330):
+        norms[index] = math.inf
+    for index in (220, 221, 350, 480):
+        norms[index] *= 40  # spikes the threshold catches
+    return norms
+
+
+def write_training_log(path: Path, flags: list[str], norms: list[float]) -> list[int]:
+    """What a training run does: guard decisions logged per step. Returns the skipped steps."""
+    parser = argparse.ArgumentParser()
+    grad_guard.add_arguments(parser)
+    args = parser.parse_args(flags)
+    grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, flags))
+    guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=lambda line: None)
+    log = GradientLog(path, with_scale=True, with_cosine=True)
+    log.start()
+    skipped = []
+    for step, norm in enumerate(norms, 1):
+        decision = guard.decide(step, norm)
+        if decision.skip:
+            skipped.append(step)
+        log.append(epoch=1 + step // 100, step=step, norm=norm, threshold=decision.threshold, loss=0.1,
+                   thresh_off=decision.thresh_off, scale=65536.0, cosine=0.5)
+    log.flush()
+    return skipped
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--grad_guard_preset", "stable", "--auto_cap_release", "--idle_free_phase", "--idle_max_steps", "60",
+     "--idle_free_len", "15"],
+    ["--skip_grad_norm", "--skip_grad_norm_max", "60", "--nan_to_window", "--no-skip_nan_immediate",
+     "--nan_inf_until_step", "300"],
+    ["--skip_grad_norm"],
+])
+def test_replay_reproduces_the_training_log_end_to_end(tmp_path, flags):
+    log_path = tmp_path / "gradient_logs+last.txt"
+    skipped = write_training_log(log_path, flags, training_norms())
+    out_path = tmp_path / "replay.csv"
+    result = subprocess.run([sys.executable, "tools/replay_grad_guard.py", str(log_path), "--out", str(out_path),
+                             *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    logged, replayed = read_csv(log_path), read_csv(out_path)
+    assert list(replayed[0]) == ["Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped"]
+    assert len(replayed) == len(logged) == 520
+    for log_row, replay_row in zip(logged, replayed):
+        for column in ("Step", "Gradient Norm", "Threshold", "ThreshOff"):
+            assert replay_row[column] == log_row[column], (column, log_row["Step"])
+    assert [int(row["Step"]) for row in replayed if row["Skipped"] == "1"] == skipped
+    assert {row["Skipped"] for row in replayed} == {"0", "1"}
+    summary = result.stdout.strip().splitlines()
+    assert len(summary) == 1 and summary[0].startswith(f"rows=520 skipped={len(skipped)} ")
+
+
+def test_other_flags_change_the_replay(tmp_path):
+    log_path = tmp_path / "g.txt"
+    write_training_log(log_path, ["--grad_norm_log"], training_norms())
+    out_path = tmp_path / "out.csv"
+    replay_tool.main([str(log_path), "--out", str(out_path), "--grad_guard_preset", "stable",
+                      "--skip_nan_immediate"])  # explicit flag beats the preset
+    rows = read_csv(out_path)
+    nan_rows = [row for row in rows if row["Gradient Norm"] == "nan"]
+    assert nan_rows and all(row["Skipped"] == "1" for row in nan_rows)
+    assert any(row["ThreshOff"] == "1" and row["Threshold"] == "" for row in rows)  # inf entered the window
+
+
+def test_summary_notes_when_skipping_is_off(tmp_path, capsys):
+    log_path = tmp_path / "g.txt"
+    log_path.write_text("Step,Gradient Norm\n1,1.5\n2,nan\n3,inf\n", encoding="utf-8")
+    replay_tool.main([str(log_path), "--out", str(tmp_path / "o.csv")])
+    output = capsys.readouterr().out
+    assert output.startswith("rows=3 skipped=0 ") and "no --skip_grad_norm" in output
+    assert (tmp_path / "o.csv").read_text().splitlines()[1:] == ["1,1.5,200000.0,0,0", "2,nan,200000.0,0,0",
+                                                                 "3,inf,200000.0,0,0"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read"),
+    ("Epoch,Step,Loss\n1,1,0.5\n", "missing column(s) Gradient Norm"),
+    ("Step,Gradient Norm\n1,abc\n", ":2: Step/Gradient Norm must be numbers"),
+    ("", "missing column(s)"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, content, message):
+    log_path = tmp_path / "g.txt"
+    if content is not None:
+        log_path.write_text(content, encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_user_error(lambda: replay_tool.main([str(log_path), "--out", str(tmp_path / "o.csv")]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ") and message in error
+
+
+def test_bad_flag_value_from_the_command_line(tmp_path):
+    log_path = tmp_path / "g.txt"
+    log_path.write_text("Step,Gradient Norm\n1,1.5\n", encoding="utf-8")
+    result = subprocess.run([sys.executable, str(TOOL), str(log_path), "--out", str(tmp_path / "o.csv"),
+                             "--idle_free_len", "-1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: --idle_free_len must be a whole number of optimizer "
+                                                  "steps >= 1 (got -1)"]

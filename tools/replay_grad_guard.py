@@ -1,0 +1,107 @@
+"""Replay the gradient guard's decisions over a gradient log with other guard flags.
+
+    python tools/replay_grad_guard.py LOG.csv --out OUT.csv [guard flags]
+
+Reads any ``gradient_logs+*.txt`` (only ``Step`` and ``Gradient Norm`` are used;
+``nan``/``inf`` are understood), runs the trainers' own decision code
+(``library.grad_guard``) with the given flags, and writes
+``Step,Gradient Norm,Threshold,ThreshOff,Skipped`` (one row per input row,
+Threshold empty when NaN) plus a one-line summary on stdout. Use it to tune
+``--skip_grad_norm_max`` and friends offline.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import math  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+from library import grad_guard  # noqa: E402
+from library.errors import UserError, exit_on_user_error  # noqa: E402
+from library.grad_log import format_number  # noqa: E402
+
+OUTPUT_COLUMNS = ("Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="replay_grad_guard.py",
+        description="Replay gradient-guard decisions over a gradient log with the given guard flags.")
+    parser.add_argument("log", metavar="LOG.csv", help="a gradient log (gradient_logs+<name>.txt)")
+    parser.add_argument("--out", required=True, metavar="OUT.csv",
+                        help="where to write Step,Gradient Norm,Threshold,ThreshOff,Skipped")
+    grad_guard.add_arguments(parser)
+    return parser
+
+
+def read_norms(path: Path) -> list[tuple[int, float]]:
+    """(Step, Gradient Norm) of every row of a gradient log; UserError naming the line when unreadable."""
+    try:
+        with open(path, encoding="utf-8", newline="") as file:
+            reader = csv.DictReader(file)
+            missing = {"Step", "Gradient Norm"} - set(reader.fieldnames or [])
+            if missing:
+                raise UserError(f"{path}: not a gradient log, missing column(s) {', '.join(sorted(missing))}")
+            rows = []
+            for row in reader:
+                try:
+                    rows.append((int(float(row["Step"])), float(row["Gradient Norm"])))
+                except (TypeError, ValueError):
+                    raise UserError(f"{path}:{reader.line_num}: Step/Gradient Norm must be numbers "
+                                    f"(nan/inf allowed), got {row.get('Step')!r}/{row.get('Gradient Norm')!r}"
+                                    ) from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the gradient log ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text CSV gradient log") from None
+    return rows
+
+
+def replay(rows: Sequence[tuple[int, float]], config: grad_guard.GuardConfig
+           ) -> list[tuple[int, float, grad_guard.GuardDecision]]:
+    """Run a fresh :class:`GradGuard` over ``rows``; (step, norm, decision) per row."""
+    guard = grad_guard.GradGuard(config, announce=lambda line: print(line, file=sys.stderr))
+    return [(step, norm, guard.decide(step, norm)) for step, norm in rows]
+
+
+def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.GuardDecision]]) -> None:
+    try:
+        with open(path, "w", encoding="utf-8", newline="") as file:
+            file.write(",".join(OUTPUT_COLUMNS) + "\n")
+            for step, norm, decision in results:
+                threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
+                file.write(f"{step},{format_number(norm)},{threshold},{decision.thresh_off},{int(decision.skip)}\n")
+    except OSError as error:
+        raise UserError(f"--out {path}: cannot write ({error.strerror or error})") from None
+
+
+def summary(results: Sequence[tuple[int, float, grad_guard.GuardDecision]], config: grad_guard.GuardConfig) -> str:
+    skipped = [step for step, _, decision in results if decision.skip]
+    nan_threshold = sum(1 for *_, decision in results if decision.thresh_off == 1)
+    free_phase = sum(1 for *_, decision in results if decision.thresh_off == 2)
+    shown = ",".join(map(str, skipped[:10])) + (",..." if len(skipped) > 10 else "")
+    line = (f"rows={len(results)} skipped={len(skipped)} threshold_nan_rows={nan_threshold} "
+            f"free_phase_rows={free_phase} skipped_steps=[{shown}]")
+    if not config.skip_grad_norm:
+        line += " (no --skip_grad_norm: nothing is skipped, as in training)"
+    return line
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, argv))
+    config = grad_guard.GuardConfig.from_args(args)
+    results = replay(read_norms(Path(args.log)), config)
+    write_replay(Path(args.out), results)
+    print(summary(results, config))
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
