@@ -1,6 +1,7 @@
 """The one exception type for mistakes a user can fix, and how entry scripts report it."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, NoReturn
 
@@ -23,3 +24,11 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
 def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as a ``UserError`` (one line, exit code 2)
+    instead of printing the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see --help)")

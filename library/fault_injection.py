@@ -1,0 +1,51 @@
+"""Test hook: put NaN/Inf into the gradients at chosen optimizer steps.
+
+``--debug_inject_grad STEP=nan|inf[@RANK] ...`` (hidden from --help) makes the trainer
+write the value into the first trainable gradient right after the backward of the
+step's last micro-batch, before the guard measures. The GradScaler, the gradient guard
+and the multi-process agreement then meet a real non-finite gradient; nothing is mocked.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from library.errors import UserError
+
+VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug_inject_grad", type=str, nargs="*", default=None, help=argparse.SUPPRESS)
+
+
+@dataclass(frozen=True)
+class Injection:
+    value: float
+    rank: Optional[int]  # None: every process
+
+
+def parse_injections(items: Optional[Sequence[str]]) -> dict[int, Injection]:
+    """``["3=nan", "7=inf@1"]`` -> {3: Injection(nan, None), 7: Injection(inf, 1)}."""
+    injections = {}
+    for item in items or []:
+        step_text, _, rest = item.partition("=")
+        value_text, _, rank_text = rest.partition("@")
+        if not step_text.isdigit() or value_text not in VALUES or (rank_text and not rank_text.isdigit()):
+            raise UserError(f"--debug_inject_grad {item}: expected STEP=nan|inf|-inf[@RANK], e.g. 3=nan or 5=inf@1")
+        injections[int(step_text)] = Injection(VALUES[value_text], int(rank_text) if rank_text else None)
+    return injections
+
+
+def inject(injections: dict[int, Injection], step: int, rank: int, parameters: Sequence[torch.Tensor]) -> None:
+    """Write the value planned for optimizer ``step`` (1-based) into one gradient element."""
+    injection = injections.get(step)
+    if injection is None or (injection.rank is not None and injection.rank != rank):
+        return
+    for parameter in parameters:
+        if parameter.grad is not None:
+            parameter.grad.view(-1)[0] = injection.value
+            return
