@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch
 
 import train_network
-from library import checkpoint_keys, model_loading
+from library import checkpoint_keys, model_loading, text_encoding
+from library.datasets import text_cache
 from library.errors import exit_on_user_error
 from library.model_loading import StableDiffusionModels
 
@@ -35,16 +36,9 @@ class SdxlNetworkTrainer(train_network.NetworkTrainer):
     def encode_prompts(
         self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Penultimate hidden states of both encoders, concatenated, and text encoder 2's pooled projection."""
-        hidden_states = []
-        pooled = None
-        for tokenizer, text_encoder in zip(models.tokenizers, models.text_encoders):
-            input_ids = train_network.tokenize(tokenizer, captions).to(text_encoder.device)
-            output = text_encoder(input_ids, output_hidden_states=True)
-            hidden_states.append(output.hidden_states[-2])
-            if hasattr(output, "text_embeds"):
-                pooled = output.text_embeds
-        return torch.cat(hidden_states, dim=-1), pooled
+        """Penultimate hidden states of both encoders, concatenated, and text encoder 2's pooled projection
+        (kohya's rule and ``--max_token_length`` chunking, see ``library.text_encoding``)."""
+        return text_encoding.encode_sdxl(models.tokenizers, models.text_encoders, captions, args.max_token_length)
 
     def predict(
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
@@ -66,6 +60,7 @@ class SdxlNetworkTrainer(train_network.NetworkTrainer):
 def setup_parser() -> argparse.ArgumentParser:
     parser = train_network.setup_parser()
     parser.description = __doc__.splitlines()[0]
+    text_cache.add_arguments(parser)
     return parser
 
 

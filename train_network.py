@@ -7,12 +7,14 @@ each concern it touches lives in one ``library/`` module.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -20,12 +22,15 @@ import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
-from library import config_file, grad_guard, lora_files, losses, model_loading, noise, optimizers
-from library.datasets import dataset as datasets
-from library.errors import UserError, exit_on_user_error
+from library import (
+    config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise, optimizers,
+)
+from library import text_encoding, train_state
+from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
+from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
-from library.lora_metadata import modelspec_metadata, training_metadata
-from library.loss_scaling import create_loss_scaler
+from library.interrupts import StopRequest
+from library.lora_metadata import modelspec_metadata, training_metadata, wall_clock
 from library.model_loading import StableDiffusionModels
 from networks import lora
 
@@ -43,7 +48,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient_checkpointing", action="store_true",
                         help="recompute activations in backward to save memory")
     parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
-                        help="autocast dtype (default no); fp16 adds a GradScaler owned by this trainer")
+                        help="autocast dtype (default no); fp16 adds the loss scaler chosen with --loss_scaler")
     parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
     parser.add_argument("--clip_skip", type=int, default=None,
                         help="use the output of the N-th last text encoder layer (SD1.x/2.x; default: the last)")
@@ -79,7 +84,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
     datasets.add_arguments(parser)
@@ -90,6 +95,9 @@ def setup_parser() -> argparse.ArgumentParser:
     losses.add_arguments(parser)
     optimizers.add_arguments(parser)
     grad_guard.add_arguments(parser)
+    loss_scaling.add_arguments(parser)
+    train_state.add_arguments(parser)
+    fault_injection.add_arguments(parser)
     return parser
 
 
@@ -121,6 +129,25 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
     lora_files.validate_arguments(args)
     optimizers.validate_args(args)
+    loss_scaling.validate_arguments(args)
+    losses.validate_arguments(args)
+    for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
+
+
+@dataclass
+class LossContext:
+    """What computing a batch's loss needs, fixed for the whole run."""
+
+    args: argparse.Namespace
+    models: StableDiffusionModels
+    noise_scheduler: Any
+    noise_options: noise.NoiseOptions
+    loss_options: losses.LossOptions
+    autocast: Any
+    train_text_encoder: bool
+    device: torch.device
 
 
 class NetworkTrainer:
@@ -144,14 +171,10 @@ class NetworkTrainer:
         return None
 
     def encode_prompts(self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]) -> Any:
-        """Text conditioning for the UNet: CLIP hidden states (``--clip_skip`` aware)."""
-        tokenizer, text_encoder = models.tokenizers[0], models.text_encoders[0]
-        input_ids = tokenize(tokenizer, captions).to(text_encoder.device)
-        if not args.clip_skip:
-            return text_encoder(input_ids)[0]
-        output = text_encoder(input_ids, output_hidden_states=True)
-        hidden = output.hidden_states[-args.clip_skip]
-        return text_encoder.text_model.final_layer_norm(hidden)
+        """Text conditioning for the UNet: CLIP hidden states (``--clip_skip``, ``--max_token_length`` aware)."""
+        return text_encoding.encode_sd(
+            models.tokenizers[0], models.text_encoders[0], captions, args.max_token_length, args.clip_skip
+        )
 
     def predict(
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Any,
@@ -168,10 +191,10 @@ class NetworkTrainer:
             print(f"--seed not given: using {args.seed}")
         seed_everything(args.seed)
 
-        dataset = datasets.build_dataset(args)
+        dataset = datasets.build_dataset(args, min_bucket_steps=32 if self.is_sdxl else 64)
         accelerator = Accelerator(
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            mixed_precision="no",  # autocast and the GradScaler are ours: accelerate drops both on CPU
+            gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
+            mixed_precision="no",  # autocast and the loss scaler are ours: accelerate drops both on CPU
             log_with=tracker_names(args),
             project_dir=tracker_dir(args),
         )
@@ -179,7 +202,7 @@ class NetworkTrainer:
         autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
 
         models = self.load_models(args)
-        noise_scheduler = noise.training_noise_scheduler()
+        noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
         noise.validate_arguments(args, noise_scheduler.config.num_train_timesteps)
         network = self.create_network(args, models)
         train_unet = not args.network_train_text_encoder_only
@@ -189,6 +212,7 @@ class NetworkTrainer:
             network.load_weights(args.network_weights)
         self.place_models(args, models, device, autocast_dtype, train_text_encoder)
         network.to(device)
+        dataset_caching.cache_before_training(args, dataset, models, accelerator, autocast_dtype)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
 
@@ -196,12 +220,15 @@ class NetworkTrainer:
         trainable_params = [p for group in param_groups for p in group["params"]]
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
 
+        num_workers = min(args.max_data_loader_n_workers, os.cpu_count() or 1)
+        sampler = train_state.ResumableSampler(dataset)
         dataloader = torch.utils.data.DataLoader(
             dataset,
-            batch_size=1,
-            shuffle=False,  # the dataset orders itself per epoch (keyed by seed and epoch)
+            batch_size=1,  # one dataset item is one whole batch, ordered per epoch by (seed, epoch)
+            sampler=sampler,
             collate_fn=datasets.collate_single_batch,
-            num_workers=min(args.max_data_loader_n_workers, os.cpu_count() or 1),
+            num_workers=num_workers,
+            persistent_workers=args.persistent_data_loader_workers and num_workers > 0,
         )
         network, dataloader = accelerator.prepare(network, dataloader)
         steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
@@ -209,33 +236,60 @@ class NetworkTrainer:
             args.max_train_steps = args.max_train_epochs * steps_per_epoch
         num_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
-        scaler = create_loss_scaler(args.mixed_precision, device)
-        guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args))
+        scaler = loss_scaling.create_loss_scaler(args, device)
+        guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
+        agree = (lambda skip: grad_guard.agree_across_processes(skip, accelerator)) if accelerator.num_processes > 1 else None
+        injections = fault_injection.parse_injections(args.debug_inject_grad)
         grad_log = GradientLog.from_args(args, with_scale=scaler is not None) if accelerator.is_main_process else None
         log_cosine = grad_log is not None and grad_log.with_cosine
         monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        unwrapped_network = accelerator.unwrap_model(network)
+
+        # -- resume -------------------------------------------------------------------------
+        store = train_state.StateStore(
+            args.output_dir, args.output_name, train_state.protected_arguments(args, accelerator.num_processes),
+            before_rename=fault_injection.state_write_hook(args.debug_kill_in_state_write),
+        )
+        progress_state = train_state.Progress(
+            seed=args.seed, training_started_at=wall_clock(), session_id=random.Random(args.seed).randint(0, 2**32)
+        )
+        stateful = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "grad_guard": guard, "grad_monitor": monitor}
+        if scaler is not None:
+            stateful["loss_scaler"] = scaler
+        resume_path = store.resolve(args.resume) if args.resume else None
+        if resume_path is not None:
+            state = store.load(resume_path)
+            unwrapped_network.load_state_dict({k: v.to(device) for k, v in state.lora.items()})
+            for name, component in stateful.items():
+                component.load_state_dict(state.components[name])
+            train_state.set_rng_state(state.rng)
+            progress_state = state.progress
+            print(f"resumed at step {progress_state.global_step} (epoch {progress_state.epoch})")
         if grad_log is not None:
-            grad_log.start()
-            remove_flush_handlers = install_flush_handlers(grad_log.flush)
+            grad_log.start(resume_step=progress_state.global_step if resume_path is not None else None)
+
+        def save_state(name: str) -> None:
+            components = {name: component.state_dict() for name, component in stateful.items()}
+            store.save(name, progress_state, unwrapped_network.lora_state_dict(), components)
 
         metadata = training_metadata(
             args,
             models.kind,
             {
-                "session_id": random.randint(0, 2**32),
-                "training_started_at": time.time(),
+                "session_id": progress_state.session_id,
+                "training_started_at": progress_state.training_started_at,
                 "num_train_images": dataset.num_train_images,
                 "num_reg_images": dataset.num_reg_images,
                 "num_batches_per_epoch": len(dataloader),
                 "num_epochs": num_epochs,
                 "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
                 "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
-                "dataset_dirs": {args.train_data_dir: {}},
+                "dataset_dirs": dataset.dataset_dirs(),
                 "network_args": lora.parse_network_args(args.network_args),
                 "model_name": os.path.basename(args.pretrained_model_name_or_path.rstrip("/\\")),
             },
         )
-        metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw))
+        metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw, progress_state.training_started_at))
         writer = lora_files.LoraWriter(args, metadata)
         if accelerator.is_main_process:
             accelerator.init_trackers(args.log_tracker_name or "network_train", config=None)
@@ -244,86 +298,155 @@ class NetworkTrainer:
             f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
             f"{num_epochs} epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision}"
         )
-        autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no")
-        progress = tqdm(range(args.max_train_steps), desc="steps", disable=not accelerator.is_local_main_process)
-        global_step = 0
-        loss_history: list[float] = []
-        window_losses: list[float] = []
-        non_finite_losses = 0
-        unwrapped_network = accelerator.unwrap_model(network)
+        run = LossContext(
+            args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
+            torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
+            train_text_encoder, device,
+        )
+        progress = tqdm(
+            total=args.max_train_steps, initial=progress_state.global_step, desc="steps",
+            disable=not accelerator.is_local_main_process,
+        )
+        flush_logs = grad_log.flush if grad_log is not None else (lambda: None)
+        remove_exit_flush = install_flush_handlers(flush_logs, signals=())
+        stop = StopRequest(on_force=flush_logs)
+        avr_loss = float("nan")
         try:
-            for epoch in range(1, num_epochs + 1):
+            while progress_state.global_step < args.max_train_steps:
+                epoch = progress_state.epoch
                 dataset.set_epoch(epoch)
+                dataloader.set_epoch(epoch)  # accelerate passes its own epoch to dataset.set_epoch on iteration
+                sampler.start_at(progress_state.batches_done * accelerator.num_processes)
                 network.train()
-                for batch in dataloader:
-                    with accelerator.accumulate(network):
-                        with autocast:
-                            loss = self.compute_loss(
-                                args, models, noise_scheduler, batch, epoch, train_text_encoder, device
-                            )
-                        accelerator.backward(scaler.scale(loss) if scaler else loss)
-                        window_losses.append(loss.detach().item())
-                        if not accelerator.sync_gradients:
-                            continue
-                        loss_value = float(np.mean(window_losses))
-                        window_losses = []
-                        if math.isfinite(loss_value):
-                            loss_history.append(loss_value)
-                        else:
-                            non_finite_losses += 1  # shown, never averaged into avr_loss
-                        measured = monitor.measure(scale=scaler.get_scale() if scaler else None)
-                        decision = guard.decide(global_step + 1, measured.norm)
-                        if decision.skip:
-                            optimizer.zero_grad(set_to_none=True)
-                        else:
-                            self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
-                    global_step += 1
-                    avr_loss = float(np.mean(loss_history[-steps_per_epoch:])) if loss_history else float("nan")
+                batches = iter(dataloader)
+                while progress_state.global_step < args.max_train_steps and not stop.requested:
+                    window = list(itertools.islice(batches, args.gradient_accumulation_steps))
+                    if not window:
+                        break
+                    loss_value = self.backward_window(run, window, epoch, accelerator, network, scaler)
+                    step = progress_state.global_step + 1
+                    fault_injection.inject(injections, step, accelerator.process_index, trainable_params)
+                    measured = monitor.measure(scale=scaler.get_scale() if scaler else None)
+                    decision = guard.decide(step, measured.norm, agree)
+                    if decision.skip:
+                        optimizer.zero_grad(set_to_none=True)
+                    else:
+                        self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+                    progress_state.global_step = step
+                    progress_state.batches_done += len(window)
+                    if math.isfinite(loss_value):
+                        progress_state.loss_history = (progress_state.loss_history + [loss_value])[-steps_per_epoch:]
+                    else:
+                        progress_state.non_finite_losses += 1  # shown, never averaged into avr_loss
+                    avr_loss = float(np.mean(progress_state.loss_history)) if progress_state.loss_history else float("nan")
                     if grad_log is not None:
                         grad_log.append(
-                            epoch=epoch, step=global_step, norm=measured.norm, threshold=decision.threshold,
+                            epoch=epoch, step=step, norm=measured.norm, threshold=decision.threshold,
                             loss=loss_value, thresh_off=decision.thresh_off,
                             scale=measured.scale if scaler else None, cosine=measured.cosine if log_cosine else None,
                         )
-                    postfix = {"avr_loss": f"{avr_loss:.4f}"}
-                    if args.skip_grad_norm:
-                        postfix["skipped"] = guard.skipped_steps
-                    if non_finite_losses:
-                        postfix["nonfinite"] = non_finite_losses
-                    progress.set_postfix(postfix, refresh=False)
-                    progress.update(1)
-                    logs = {
-                        "loss/current": loss_value,
-                        "loss/average": avr_loss,
-                        "train/skipped_steps": guard.skipped_steps,
-                        "train/grad_norm": measured.norm,
-                        "train/grad_threshold": decision.threshold,
-                    }
-                    if scaler:
-                        logs["train/loss_scale"] = measured.scale
-                    for index, lr in enumerate(lr_scheduler.get_last_lr()):
-                        logs[f"lr/group{index}"] = lr
-                    accelerator.log(logs, step=global_step)
+                    self.report(args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
+                                loss_value, avr_loss, measured, decision)
                     if accelerator.is_main_process:
-                        writer.on_step(unwrapped_network, global_step, epoch)
-                    if global_step >= args.max_train_steps:
-                        break
-                if accelerator.is_main_process:
-                    writer.on_epoch_end(unwrapped_network, global_step, epoch, is_last_epoch=epoch == num_epochs)
-                if global_step >= args.max_train_steps:
+                        writer.on_step(unwrapped_network, step, epoch)
+                        if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
+                            flush_logs()
+                            save_state(train_state.step_state_name(args.output_name, step))
+                            store.rotate("step", step, args.save_last_n_steps_state)
+                if stop.requested:
                     break
+                if progress_state.batches_done >= len(dataloader):  # the epoch is complete
+                    progress_state.epoch += 1
+                    progress_state.batches_done = 0
+                    if accelerator.is_main_process:
+                        writer.on_epoch_end(unwrapped_network, progress_state.global_step, epoch,
+                                            is_last_epoch=epoch == num_epochs)
+                        every = args.save_every_n_epochs
+                        if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
+                            flush_logs()
+                            save_state(train_state.epoch_state_name(args.output_name, epoch))
+                            store.rotate("epoch", epoch, args.save_last_n_epochs_state)
         finally:
             progress.close()
-            if grad_log is not None:
-                grad_log.flush()
-                remove_flush_handlers()
+            flush_logs()
+            remove_exit_flush()
+            stop.uninstall()
             accelerator.end_training()
 
+        if stop.requested:
+            if args.save_state and accelerator.is_main_process:
+                save_state(train_state.step_state_name(args.output_name, progress_state.global_step))
+                print(f"interrupted at step {progress_state.global_step}; state saved. Resume with the same "
+                      f"command plus --resume auto", flush=True)
+            else:
+                print(f"interrupted at step {progress_state.global_step}; no state saved (--save_state is off)",
+                      flush=True)
+            sys.exit(stop.exit_code)
         if accelerator.is_main_process:
-            saved = writer.write(unwrapped_network, lora_files.final_file_name(args.output_name), global_step, epoch)
+            epoch = progress_state.epoch - (1 if progress_state.batches_done == 0 else 0)
+            saved = writer.write(unwrapped_network, lora_files.final_file_name(args.output_name),
+                                 progress_state.global_step, epoch)
+            if args.save_state_on_train_end:
+                save_state(train_state.final_state_name(args.output_name))
             if saved is None:
                 sys.exit(1)
-        print(f"done: {global_step} steps, final average loss {avr_loss:.4f}, skipped steps {guard.skipped_steps}")
+        print(f"done: {progress_state.global_step} steps, final average loss {avr_loss:.4f}, "
+              f"skipped steps {guard.skipped_steps}")
+
+    def backward_window(
+        self, run: "LossContext", window: list[dict[str, Any]], epoch: int, accelerator: Accelerator,
+        network: torch.nn.Module, scaler,
+    ) -> float:
+        """Forward and backward every micro-batch of one accumulation window; returns the window's loss.
+
+        The loss is normalised over the whole window and all processes (``--loss_normalization
+        exact``): the weight denominator is known before the first backward, because weights
+        depend only on the batches and their keyed timesteps, not on the model.
+        """
+        plans = [self.plan_loss(run, batch, epoch) for batch in window]
+        local = losses.window_denominator(
+            [plan.weight_sum for plan in plans], run.loss_options.loss_normalization, run.args.gradient_accumulation_steps
+        )
+        denominator = accelerator.reduce(local.to(run.device), reduction="sum")
+        window_loss_sum = torch.zeros((), device=run.device)
+        for position, (batch, plan) in enumerate(zip(window, plans)):
+            is_last = position == len(window) - 1
+            with nullcontext() if is_last else accelerator.no_sync(network):
+                with run.autocast:
+                    result = self.compute_loss(run, batch, epoch, plan)
+                # DDP averages gradients over processes: undo that so the loss is a global sum / denominator.
+                objective = losses.micro_batch_objective(result.loss_sum, denominator, accelerator.num_processes)
+                accelerator.backward(scaler.scale(objective) if scaler else objective)
+            window_loss_sum += result.loss_sum.detach()
+        total = accelerator.reduce(window_loss_sum, reduction="sum")
+        return float(losses.normalize(total, denominator))
+
+    def report(self, args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
+               loss_value: float, avr_loss: float, measured, decision) -> None:
+        """Progress bar postfix and tracker scalars of one optimizer step."""
+        postfix = {"avr_loss": f"{avr_loss:.4f}"}
+        if args.skip_grad_norm:
+            postfix["skipped"] = guard.skipped_steps
+        if progress_state.non_finite_losses:
+            postfix["nonfinite"] = progress_state.non_finite_losses
+        if scaler:
+            postfix["overflows"] = scaler.overflow_count
+        progress.set_postfix(postfix, refresh=False)
+        progress.update(1)
+        logs = {
+            "loss/current": loss_value,
+            "loss/average": avr_loss,
+            "train/skipped_steps": guard.skipped_steps,
+            "train/grad_norm": measured.norm,
+            "train/grad_threshold": decision.threshold,
+        }
+        if scaler:
+            logs["train/loss_scale"] = measured.scale
+        if args.grad_cosine_log and args.grad_norm_log:
+            logs["train/grad_cosine"] = measured.cosine
+        for index, lr in enumerate(lr_scheduler.get_last_lr()):
+            logs[f"lr/group{index}"] = lr
+        accelerator.log(logs, step=progress_state.global_step)
 
     # -- pieces of the loop --------------------------------------------------------------
     def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> lora.LoRANetwork:
@@ -371,27 +494,49 @@ class NetworkTrainer:
                 text_encoder.gradient_checkpointing_enable()
                 text_encoder.train()
 
+    def plan_loss(self, run: "LossContext", batch: dict[str, Any], epoch: int) -> losses.BatchWeights:
+        """The batch's loss weights (per-sample, SNR, mask) without running the model."""
+        if "latents" in batch:
+            latent_hw = tuple(batch["latents"].shape[2:])
+        else:
+            latent_hw = (batch["images"].shape[2] // 8, batch["images"].shape[3] // 8)
+        timesteps = noise.draw_timesteps(
+            run.args.seed, epoch, batch["sample_indices"].tolist(), run.noise_scheduler.config.num_train_timesteps,
+            run.args.min_timestep, run.args.max_timestep,
+        )
+        masks = batch.get("alpha_masks")
+        mask = None if masks is None else losses.mask_to_latent(masks, latent_hw)
+        channels = run.models.unet.config.in_channels
+        return losses.batch_weights(
+            run.loss_options, run.noise_scheduler.alphas_cumprod, timesteps, batch["loss_weights"],
+            (channels, *latent_hw), mask,
+        )
+
     def compute_loss(
-        self, args: argparse.Namespace, models: StableDiffusionModels, noise_scheduler, batch: dict[str, Any],
-        epoch: int, train_text_encoder: bool, device: torch.device,
-    ) -> torch.Tensor:
-        """The batch's fp32 loss: encode, add keyed noise, predict, compare with the target."""
+        self, run: "LossContext", batch: dict[str, Any], epoch: int, plan: losses.BatchWeights
+    ) -> losses.WeightedLoss:
+        """The batch's weighted fp32 loss sum: encode, add keyed noise, predict, compare with the target."""
+        args, models, device = run.args, run.models, run.device
         sample_indices = batch["sample_indices"].tolist()
         with torch.no_grad():
-            latents = encode_latents(models.vae, batch["images"], args.seed, epoch, sample_indices)
-        with nullcontext() if train_text_encoder else torch.no_grad():
-            conditioning = self.encode_prompts(args, models, batch["captions"])
+            if "latents" in batch:  # cached VAE mean/std: the same keyed sample as encode_latents
+                latents = cached_latents.sample_cached_latents(batch, args.seed, epoch).to(device)
+            else:
+                latents = encode_latents(models.vae, batch["images"], args.seed, epoch, sample_indices)
+        if "text_encoder_outputs" in batch:  # cached SDXL conditioning (text encoders frozen)
+            conditioning = tuple(tensor.to(device) for tensor in batch["text_encoder_outputs"])
+        else:
+            with nullcontext() if run.train_text_encoder else torch.no_grad():
+                conditioning = self.encode_prompts(args, models, batch["captions"])
         drawn = noise.draw_diffusion_noise(
-            args.seed, epoch, sample_indices, tuple(latents.shape[1:]), noise_scheduler.config.num_train_timesteps,
-            args.min_timestep, args.max_timestep, args.noise_offset,
-        )
-        noise_tensor = drawn.noise.to(device)
-        timesteps = drawn.timesteps.to(device)
-        noisy_latents = noise_scheduler.add_noise(latents, noise_tensor, timesteps)
-        prediction = self.predict(models, noisy_latents, timesteps, conditioning, batch)
-        target = losses.diffusion_target(noise_scheduler, latents, noise_tensor, timesteps, args.v_parameterization)
-        per_sample = losses.per_sample_loss(prediction, target)
-        return losses.weighted_batch_loss(per_sample, batch["loss_weights"])
+            args.seed, epoch, sample_indices, tuple(latents.shape[1:]), run.noise_scheduler.config.num_train_timesteps,
+            options=run.noise_options, latents=latents,
+        ).to(device)
+        noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
+        prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
+        target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
+                                         args.v_parameterization)
+        return losses.batch_loss(prediction, target, plan, run.loss_options)
 
     def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
         """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped."""
@@ -400,10 +545,8 @@ class NetworkTrainer:
         if args.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(trainable_params, args.max_grad_norm)
         if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
+            stepped = scaler.step(optimizer)  # False: an inf/NaN gradient (on any process), step skipped
             scaler.update()
-            stepped = scaler.get_scale() >= scale_before  # the scale drops only on an overflow
         else:
             optimizer.step()
             stepped = True
@@ -413,9 +556,8 @@ class NetworkTrainer:
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
-    return tokenizer(
-        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    ).input_ids
+    """77-token ids (batch, 77); chunked tokenisation is ``text_encoding.tokenize``."""
+    return text_encoding.tokenize(tokenizer, captions)[:, 0]
 
 
 def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indices: list[int]) -> torch.Tensor:

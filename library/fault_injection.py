@@ -8,8 +8,11 @@ and the multi-process agreement then meet a real non-finite gradient; nothing is
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -20,6 +23,7 @@ VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug_inject_grad", type=str, nargs="*", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug_kill_in_state_write", type=int, default=None, help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,18 @@ def inject(injections: dict[int, Injection], step: int, rank: int, parameters: S
         if parameter.grad is not None:
             parameter.grad.view(-1)[0] = injection.value
             return
+
+
+def state_write_hook(kill_at: Optional[int]) -> Optional[Callable[[Path], None]]:
+    """With ``--debug_kill_in_state_write K``: SIGKILL this process while the K-th state of the
+    run is written (its files are complete but it is not yet renamed into place)."""
+    if kill_at is None:
+        return None
+    written = {"count": 0}
+
+    def hook(temporary: Path) -> None:
+        written["count"] += 1
+        if written["count"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

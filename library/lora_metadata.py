@@ -10,6 +10,8 @@ import datetime
 import hashlib
 import io
 import json
+import os
+import time
 from typing import Any, Mapping
 
 import torch
@@ -56,7 +58,19 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
         "ss_optimizer": facts["optimizer"],
         "ss_max_grad_norm": args.max_grad_norm,
         "ss_prior_loss_weight": args.prior_loss_weight,
-        "ss_loss_type": "l2",
+        "ss_loss_type": args.loss_type,
+        "ss_huber_schedule": args.huber_schedule,
+        "ss_huber_c": args.huber_c,
+        "ss_huber_scale": args.huber_scale,
+        "ss_min_snr_gamma": args.min_snr_gamma,
+        "ss_debiased_estimation": bool(args.debiased_estimation_loss),
+        "ss_zero_terminal_snr": bool(args.zero_terminal_snr),
+        "ss_ip_noise_gamma": args.ip_noise_gamma,
+        "ss_multires_noise_iterations": args.multires_noise_iterations,
+        "ss_multires_noise_discount": args.multires_noise_discount,
+        "ss_adaptive_noise_scale": args.adaptive_noise_scale,
+        "ss_min_timestep": args.min_timestep,
+        "ss_max_timestep": args.max_timestep,
         "ss_batch_size_per_device": args.train_batch_size,
         "ss_total_batch_size": facts["total_batch_size"],
         "ss_resolution": args.resolution,
@@ -67,7 +81,16 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
     return {key: str(value) for key, value in metadata.items()}
 
 
-def modelspec_metadata(args: argparse.Namespace, model_kind: str, resolution_hw: tuple[int, int]) -> dict[str, str]:
+def wall_clock() -> float:
+    """Seconds since the epoch, or ``SOURCE_DATE_EPOCH`` when set (reproducible files: two runs
+    of the same settings then write byte-identical LoRA files)."""
+    fixed = os.environ.get("SOURCE_DATE_EPOCH")
+    return float(fixed) if fixed else time.time()
+
+
+def modelspec_metadata(
+    args: argparse.Namespace, model_kind: str, resolution_hw: tuple[int, int], timestamp: float
+) -> dict[str, str]:
     """Stability AI's model spec keys for a LoRA of ``model_kind``."""
     architecture = ARCHITECTURES[model_kind]
     if model_kind == "sd2" and args.v_parameterization:
@@ -78,7 +101,7 @@ def modelspec_metadata(args: argparse.Namespace, model_kind: str, resolution_hw:
         "modelspec.implementation": IMPLEMENTATION,
         "modelspec.title": args.output_name,
         "modelspec.resolution": f"{resolution_hw[1]}x{resolution_hw[0]}",
-        "modelspec.date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "modelspec.date": datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if args.v_parameterization else "epsilon",
     }
 

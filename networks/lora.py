@@ -10,13 +10,14 @@ ones, exactly as kohya's trainers name them.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from library.errors import UserError
 
@@ -322,6 +323,21 @@ def find_non_finite(state: Mapping[str, torch.Tensor]) -> Optional[str]:
     return None
 
 
+def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors file whose header JSON has sorted keys, so equal contents give equal bytes.
+
+    safetensors writes the metadata map in a per-process random order; a resumed run must be
+    able to reproduce an uninterrupted run's file byte for byte. Tensor offsets are relative
+    to the end of the header, so rewriting the header leaves the data untouched.
+    """
+    data = save(dict(state), dict(metadata))
+    header_length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_length])
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    canonical += b" " * (-len(canonical) % 8)  # the format pads the header to 8 bytes
+    return len(canonical).to_bytes(8, "little") + canonical + data[8 + header_length :]
+
+
 def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
     """Write a LoRA safetensors file atomically (temp name in the same folder, then rename).
 
@@ -334,8 +350,9 @@ def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mappi
     os.makedirs(directory, exist_ok=True)
     temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        save_file(dict(state), temp_path, metadata=dict(metadata))
-        with open(temp_path, "rb") as file:
+        with open(temp_path, "wb") as file:
+            file.write(canonical_safetensors_bytes(state, metadata))
+            file.flush()
             os.fsync(file.fileno())
         os.replace(temp_path, path)
     finally:

@@ -4,12 +4,19 @@ from __future__ import annotations
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One intra-op thread: the tiny models gain nothing from more, and torch's OpenMP threads
+# spin-wait so badly on a shared 2-core machine (tests starting subprocesses, several runs)
+# that steps become 100x slower. Subprocesses inherit the variable.
+os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

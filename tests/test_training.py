@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors import safe_open
 
 import sdxl_train_network
 import train_network
-from library import noise
+from library import losses, noise
 from library.datasets import dataset as datasets
 from library.lora_metadata import addnet_hashes
 from networks import lora
@@ -46,15 +47,18 @@ def evaluation_losses(name: str, tiny_models, dataset_dir: Path, lora_path: Path
     network.load_state_dict(weights)
     network.apply_to()
     batch = datasets.build_dataset(args)[0]
-    scheduler = noise.training_noise_scheduler()
+    run = train_network.LossContext(
+        args, models, noise.training_noise_scheduler(), noise.NoiseOptions.from_args(args),
+        losses.LossOptions.from_args(args), nullcontext(), False, torch.device("cpu"),
+    )
     results = {}
     with torch.no_grad():
         for multiplier in (0.0, 1.0):
             network.set_multiplier(multiplier)
-            draws = [
-                trainer.compute_loss(args, models, scheduler, batch, 1000 + k, False, torch.device("cpu")).item()
-                for k in range(16)
-            ]
+            draws = []
+            for epoch in range(1000, 1016):
+                plan = trainer.plan_loss(run, batch, epoch)
+                draws.append(losses.normalize(trainer.compute_loss(run, batch, epoch, plan).loss_sum, plan.weight_sum).item())
             results[multiplier] = sum(draws) / len(draws)
     return results
 

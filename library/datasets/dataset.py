@@ -1,124 +1,314 @@
-"""The training dataset: samples with repeats, an epoch order keyed by (seed, epoch), batches.
+"""The training dataset: batches formed within buckets, ordered per epoch by (seed, epoch).
 
 Like kohya's datasets, one item is one whole batch; the DataLoader runs with
-``batch_size=1`` and never shuffles, so the order (and so the run) is a pure function
-of the seed and the epoch, which makes resuming and sharding exact.
+``batch_size=1`` and never shuffles. Every random choice is a pure function of its key:
+the epoch's batch order of (seed, epoch), a sample's flip, crop, colour jitter and
+caption of (seed, epoch, sample id). So a run does not depend on the worker count,
+and resuming at any batch of any epoch reproduces it exactly.
+
+A batch is a dict:
+  ``images``            float (B, 3, H, W) in [-1, 1]   (absent when latents are cached)
+  ``latents``, ``latents_std``  float (B, 4, H/8, W/8), the VAE mean and std times its
+                        scaling factor (only with a latent cache; see ``latents.py``)
+  ``captions``          list of B processed captions
+  ``original_sizes_hw``, ``crop_top_lefts``, ``target_sizes_hw``  long (B, 2): SDXL's
+                        size conditioning of the pixels actually trained on
+  ``sample_indices``    long (B,): stable sample ids (key the noise)
+  ``loss_weights``      float (B,): prior_loss_weight for regularisation samples, else 1
+  ``flipped``           bool (B,)
+  ``alpha_masks``       float (B, H, W) in [0, 1], only when a sample's subset has alpha_mask
+  ``text_encoder_outputs``  (hidden (B, L, D), pooled (B, P)), only with a text cache
 """
 from __future__ import annotations
 
 import argparse
-import math
+import multiprocessing
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from library.datasets.dreambooth import ImageEntry, discover
-from library.datasets.images import load_rgb, resize_and_crop
+from library import text_encoding
+from library.datasets import config as dataset_config
+from library.datasets import text_cache
+from library.datasets.buckets import center_crop_top_left, random_crop_top_left, sdxl_crop_top_left
+from library.datasets.captions import process_caption
+from library.datasets.images import INTERPOLATIONS, color_augment, ensure_size, load_image, resize_crop_flip
+from library.datasets.plan import Plan, PlannedImage, dataset_dirs_metadata, plan_datasets
+from library.datasets.sources import dreambooth_subsets_from_folders
 from library.errors import UserError
+
+# Independent random streams of one sample.
+_STREAM_IMAGE = 1
+_STREAM_CAPTION = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--train_data_dir", type=str, default=None,
-                        help="folder of <repeats>_<class tokens> subfolders holding training images")
-    parser.add_argument("--reg_data_dir", type=str, default=None,
-                        help="folder of <repeats>_<class tokens> subfolders holding regularisation images")
-    parser.add_argument("--prior_loss_weight", type=float, default=1.0,
-                        help="loss weight of regularisation images (default 1.0)")
-    parser.add_argument("--caption_extension", type=str, default=".caption",
-                        help="extension of caption files beside the images (default .caption)")
-    parser.add_argument("--resolution", type=str, default=None,
-                        help="training resolution in pixels: 'size' or 'width,height' (required)")
-    parser.add_argument("--train_batch_size", type=int, default=1, help="images per micro-batch (default 1)")
-    parser.add_argument("--max_data_loader_n_workers", type=int, default=8,
-                        help="DataLoader worker processes, capped at the CPU count; 0 loads in the main process (default 8)")
+    """kohya's dataset flags (names, defaults); with --dataset_config they are the fallback values."""
+    group = parser.add_argument_group("dataset")
+    add = group.add_argument
+    add("--train_data_dir", type=str, default=None,
+        help="folder of <repeats>_<class tokens> subfolders of training images (or the image folder of --in_json)")
+    add("--reg_data_dir", type=str, default=None, help="folder of <repeats>_<class tokens> subfolders of "
+        "regularisation images; they are repeated to match the training sample count (kohya's rule)")
+    add("--dataset_config", type=str, default=None, help="kohya dataset config (.toml or .json): [general], "
+        "[[datasets]], [[datasets.subsets]]; replaces --train_data_dir/--reg_data_dir/--in_json")
+    add("--in_json", type=str, default=None, help="kohya fine-tuning metadata JSON for the images in --train_data_dir")
+    add("--dataset_repeats", type=int, default=1, help="repeats of the --in_json dataset per epoch (default 1)")
+    add("--prior_loss_weight", type=float, default=1.0, help="loss weight of regularisation images (default 1.0)")
+    add("--caption_extension", type=str, default=".caption",
+        help="extension of caption files beside the images (default .caption)")
+    add("--resolution", type=str, default=None, help="training resolution in pixels: 'size' or 'width,height'")
+    add("--train_batch_size", type=int, default=1, help="images per micro-batch (default 1)")
+    add("--enable_bucket", action="store_true", help="aspect-ratio buckets (kohya's table and rule)")
+    add("--min_bucket_reso", type=int, default=256, help="smallest bucket side in pixels (default 256)")
+    add("--max_bucket_reso", type=int, default=1024, help="largest bucket side in pixels (default 1024)")
+    add("--bucket_reso_steps", type=int, default=64,
+        help="bucket side step in pixels (default 64; SDXL needs a multiple of 32, SD1/2 of 64)")
+    add("--bucket_no_upscale", action="store_true", help="never enlarge images: one bucket per image size")
+    add("--shuffle_caption", action="store_true", help="shuffle the caption's separated tags each time")
+    add("--caption_separator", type=str, default=",", help="tag separator in captions (default ',')")
+    add("--keep_tokens", type=int, default=0, help="leading tags never shuffled or dropped (default 0)")
+    add("--keep_tokens_separator", type=str, default="",
+        help="tags before this separator (and after a second one) stay fixed, e.g. '|||' (default none)")
+    add("--secondary_separator", type=str, default=None,
+        help="separator inside a tag, replaced by caption_separator after shuffling (default none)")
+    add("--enable_wildcard", action="store_true", help="{a|b} wildcards and one random line of multi-line captions")
+    add("--caption_prefix", type=str, default=None, help="text put before every caption (default none)")
+    add("--caption_suffix", type=str, default=None, help="text put after every caption (default none)")
+    add("--caption_dropout_rate", type=float, default=0.0, help="probability of an empty caption (default 0)")
+    add("--caption_dropout_every_n_epochs", type=int, default=0,
+        help="empty captions for the whole epoch every N epochs (default 0: never)")
+    add("--caption_tag_dropout_rate", type=float, default=0.0, help="probability of dropping each tag (default 0)")
+    add("--color_aug", action="store_true", help="kohya's weak hue/gamma augmentation (not with cached latents)")
+    add("--flip_aug", action="store_true", help="mirror images half of the time (cached latents keep both sides)")
+    add("--random_crop", action="store_true", help="random instead of centred crops (not with cached latents)")
+    add("--alpha_mask", action="store_true",
+        help="use the alpha channel as a loss mask (transparent pixels do not count); otherwise alpha is "
+             "composited on white")
+    add("--cache_info", action="store_true", help="keep captions and sizes in metadata_cache.json per folder")
+    add("--resize_interpolation", type=str, default=None, choices=sorted(INTERPOLATIONS),
+        help="resize filter (default: area when shrinking, lanczos when enlarging)")
+    add("--skip_bad_images", action="store_true",
+        help="skip unreadable or empty image files with a warning instead of stopping before training")
+    add("--cache_latents", action="store_true", help="encode every image with the VAE once, before training "
+        "(refuses color_aug and random_crop; frees the VAE unless --sample_prompts is given)")
+    add("--cache_latents_to_disk", action="store_true",
+        help="keep the latents in <image>_<W>x<H>_sdxl.npz beside each image (implies --cache_latents)")
+    add("--vae_batch_size", type=int, default=1, help="images per VAE call while caching latents (default 1)")
+    add("--max_data_loader_n_workers", type=int, default=8,
+        help="DataLoader worker processes, capped at the CPU count; 0 loads in the main process (default 8)")
+    add("--persistent_data_loader_workers", action="store_true",
+        help="keep DataLoader workers between epochs (they follow the epoch through shared memory)")
+    text_encoding.add_arguments(group)
 
 
 def parse_resolution(text: Optional[str]) -> tuple[int, int]:
     """``--resolution`` as (height, width); kohya writes 'W,H' or one size for both."""
     if text is None:
         raise UserError("--resolution is required (e.g. --resolution 1024 or --resolution 1024,768)")
-    parts = [part.strip() for part in str(text).split(",")]
-    try:
-        sizes = [int(part) for part in parts]
-    except ValueError:
-        raise UserError(f"--resolution {text}: expected 'size' or 'width,height' in pixels") from None
-    if len(sizes) not in (1, 2) or min(sizes) < 64 or any(size % 8 for size in sizes):
-        raise UserError(f"--resolution {text}: sizes must be multiples of 8 and at least 64 ('size' or 'width,height')")
-    width, height = (sizes[0], sizes[0]) if len(sizes) == 1 else sizes
+    width, height = dataset_config.parse_resolution_wh(text, "--resolution")
     return height, width
 
 
-class TrainDataset(torch.utils.data.Dataset):
-    """Batches of images at one resolution, with SDXL size/crop conditioning per image."""
+def _seed64(seed: int) -> int:
+    return int(seed) & 0xFFFFFFFFFFFFFFFF
 
-    def __init__(
-        self,
-        entries: list[ImageEntry],
-        resolution_hw: tuple[int, int],
-        batch_size: int,
-        seed: int,
-        prior_loss_weight: float = 1.0,
-    ) -> None:
-        if batch_size <= 0:
-            raise UserError(f"--train_batch_size {batch_size} must be at least 1")
-        self.resolution_hw = resolution_hw
-        self.batch_size = batch_size
+
+class TrainDataset(torch.utils.data.Dataset):
+    """Batches of one bucket each; ``set_epoch`` reorders them, also inside persistent workers."""
+
+    def __init__(self, plan: Plan, seed: int) -> None:
+        self.plan = plan
         self.seed = seed
-        self.prior_loss_weight = prior_loss_weight
-        train = [entry for entry in entries if not entry.is_reg for _ in range(entry.num_repeats)]
-        reg = [entry for entry in entries if entry.is_reg for _ in range(entry.num_repeats)]
-        if reg:
-            # kohya: regularisation samples are cycled to as many as the training samples.
-            reg = (reg * math.ceil(len(train) / len(reg)))[: len(train)]
-        self.samples: list[ImageEntry] = train + reg
-        self.num_train_images = len({entry.path for entry in entries if not entry.is_reg})
-        self.num_reg_images = len({entry.path for entry in entries if entry.is_reg})
-        self.batches: list[list[int]] = []
+        self.latent_store = None  # set by caching.cache_before_training
+        self.text_store = None
+        # Workers hold copies of this object; the epoch reaches them through shared memory.
+        self._shared_epoch = multiprocessing.Value("i", 1, lock=False)
+        self._order_epoch: Optional[int] = None
+        self._batches: list[list[int]] = []
         self.set_epoch(1)
 
+    # -- facts the trainer reports ---------------------------------------------------------
+    @property
+    def resolution_hw(self) -> tuple[int, int]:
+        width, height = self.plan.datasets[0].spec.resolution_wh
+        return height, width
+
+    @property
+    def num_train_images(self) -> int:
+        return sum(dataset.num_train_images for dataset in self.plan.datasets)
+
+    @property
+    def num_reg_images(self) -> int:
+        return sum(dataset.num_reg_images for dataset in self.plan.datasets)
+
+    def dataset_dirs(self) -> dict[str, dict[str, int]]:
+        return dataset_dirs_metadata(self.plan)
+
+    # -- epoch order -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Shuffle the samples for ``epoch`` (1-based) with an RNG keyed by (seed, epoch)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples)).tolist()
-        self.batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        """Order the batches for ``epoch`` (1-based); workers pick the new epoch up on their next item."""
+        self._shared_epoch.value = int(epoch)
+        self._order(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared_epoch.value)
+
+    def _order(self, epoch: int) -> None:
+        if self._order_epoch == epoch:
+            return
+        rng = np.random.default_rng([_seed64(self.seed), epoch])
+        batches = []
+        for dataset in self.plan.datasets:
+            batch_size = dataset.spec.batch_size
+            for bucket in sorted(dataset.bucket_samples):
+                ids = dataset.bucket_samples[bucket]
+                shuffled = [ids[i] for i in rng.permutation(len(ids))]
+                batches += [shuffled[i : i + batch_size] for i in range(0, len(shuffled), batch_size)]
+        self._batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._order_epoch = epoch
+
+    def batch_sample_ids(self, batch_index: int) -> list[int]:
+        self._order(self.epoch)
+        return self._batches[batch_index]
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self._batches)
 
+    # -- items -----------------------------------------------------------------------------
     def __getitem__(self, batch_index: int) -> dict[str, Any]:
-        images, captions, original_sizes, crops, weights = [], [], [], [], []
-        for sample_index in self.batches[batch_index]:
-            entry = self.samples[sample_index]
-            image = load_rgb(entry.path)
-            pixels, crop_top_left = resize_and_crop(image, self.resolution_hw)
-            images.append(torch.from_numpy(pixels).permute(2, 0, 1))
-            captions.append(entry.caption)
-            original_sizes.append((image.height, image.width))
-            crops.append(crop_top_left)
-            weights.append(self.prior_loss_weight if entry.is_reg else 1.0)
-        return {
-            # uint8 HWC -> float CHW in [-1, 1], the VAE's input range
-            "images": torch.stack(images).float().div(127.5).sub(1.0),
-            "captions": captions,
-            "original_sizes_hw": torch.tensor(original_sizes, dtype=torch.long),
-            "crop_top_lefts": torch.tensor(crops, dtype=torch.long),
-            "target_sizes_hw": torch.tensor([self.resolution_hw] * len(captions), dtype=torch.long),
-            "sample_indices": torch.tensor(self.batches[batch_index], dtype=torch.long),
-            "loss_weights": torch.tensor(weights, dtype=torch.float32),
-        }
+        epoch = self.epoch
+        self._order(epoch)
+        sample_ids = self._batches[batch_index]
+        samples = [self.make_sample(sample_id, epoch) for sample_id in sample_ids]
+        return _collate_samples(samples)
+
+    def image_of(self, sample_id: int) -> PlannedImage:
+        return self.plan.images[self.plan.sample_images[sample_id]]
+
+    def make_sample(self, sample_id: int, epoch: int) -> dict[str, Any]:
+        """One sample of ``epoch``: pixels (or cached latents), conditioning sizes, caption, weight."""
+        image = self.image_of(sample_id)
+        subset = image.subset
+        image_rng = np.random.default_rng([_seed64(self.seed), epoch, sample_id, _STREAM_IMAGE])
+        caption_rng = np.random.default_rng([_seed64(self.seed), epoch, sample_id, _STREAM_CAPTION])
+        flipped = bool(subset.flip_aug and image_rng.random() < 0.5)
+        sample: dict[str, Any] = {"sample_id": sample_id, "flipped": flipped}
+        if self.latent_store is not None:
+            crop = center_crop_top_left(image.resized_wh, image.bucket_wh)
+            sample["latents"], sample["latents_std"], sample["alpha_mask"] = self.latent_store.get(image.index, flipped)
+        else:
+            if subset.random_crop:
+                crop = random_crop_top_left(image.resized_wh, image.bucket_wh, image_rng)
+            else:
+                crop = center_crop_top_left(image.resized_wh, image.bucket_wh)
+            decoded = load_image(image.path, keep_alpha=subset.alpha_mask)
+            ensure_size(image.path, decoded, image.size_wh)
+            array = resize_crop_flip(decoded, image.resized_wh, image.bucket_wh, crop, flipped,
+                                     subset.resize_interpolation)
+            rgb = np.ascontiguousarray(array[:, :, :3])
+            if subset.color_aug:
+                rgb = color_augment(rgb, image_rng)
+            sample["image"] = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).float().div(127.5).sub(1.0)
+            sample["alpha_mask"] = (
+                torch.from_numpy(array[:, :, 3].astype(np.float32) / 255.0) if subset.alpha_mask else None
+            )
+        sample["original_size_hw"] = (image.size_wh[1], image.size_wh[0])
+        sample["crop_top_left"] = sdxl_crop_top_left(crop, image.resized_wh, image.bucket_wh, flipped)
+        sample["target_size_hw"] = (image.bucket_wh[1], image.bucket_wh[0])
+        if self.text_store is not None:
+            sample["text_encoder_outputs"] = self.text_store.get(image.index)
+            sample["caption"] = self.text_store.caption_of[image.index]
+        else:
+            sample["caption"] = process_caption(subset.captions, image.caption, epoch, caption_rng)
+        spec = self.plan.datasets[image.dataset_index].spec
+        sample["loss_weight"] = spec.prior_loss_weight if image.is_reg else 1.0
+        sample["uses_alpha_mask"] = subset.alpha_mask
+        return sample
 
 
-def build_dataset(args: argparse.Namespace) -> TrainDataset:
-    """The dataset described by the command-line dataset flags."""
-    if not args.train_data_dir:
-        raise UserError("--train_data_dir is required: a folder of <repeats>_<class tokens> subfolders of images")
-    resolution_hw = parse_resolution(args.resolution)
-    entries = discover(args.train_data_dir, args.caption_extension, is_reg=False, flag="--train_data_dir")
-    if args.reg_data_dir:
-        entries += discover(args.reg_data_dir, args.caption_extension, is_reg=True, flag="--reg_data_dir")
-    for entry in entries:
-        load_rgb(entry.path)  # refuse an unreadable image before any compute is spent
-    return TrainDataset(entries, resolution_hw, args.train_batch_size, args.seed, args.prior_loss_weight)
+def _collate_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack one bucket's samples into the batch dict described in the module docstring."""
+    batch: dict[str, Any] = {
+        "captions": [sample["caption"] for sample in samples],
+        "original_sizes_hw": torch.tensor([sample["original_size_hw"] for sample in samples], dtype=torch.long),
+        "crop_top_lefts": torch.tensor([sample["crop_top_left"] for sample in samples], dtype=torch.long),
+        "target_sizes_hw": torch.tensor([sample["target_size_hw"] for sample in samples], dtype=torch.long),
+        "sample_indices": torch.tensor([sample["sample_id"] for sample in samples], dtype=torch.long),
+        "loss_weights": torch.tensor([sample["loss_weight"] for sample in samples], dtype=torch.float32),
+        "flipped": torch.tensor([sample["flipped"] for sample in samples], dtype=torch.bool),
+    }
+    if "latents" in samples[0]:
+        batch["latents"] = torch.stack([sample["latents"] for sample in samples])
+        batch["latents_std"] = torch.stack([sample["latents_std"] for sample in samples])
+    else:
+        batch["images"] = torch.stack([sample["image"] for sample in samples])
+    if any(sample["uses_alpha_mask"] for sample in samples):
+        height, width = samples[0]["target_size_hw"]
+        batch["alpha_masks"] = torch.stack([
+            sample["alpha_mask"] if sample["alpha_mask"] is not None else torch.ones(height, width)
+            for sample in samples
+        ])
+    if "text_encoder_outputs" in samples[0]:
+        batch["text_encoder_outputs"] = (
+            torch.stack([sample["text_encoder_outputs"][0] for sample in samples]),
+            torch.stack([sample["text_encoder_outputs"][1] for sample in samples]),
+        )
+    return batch
+
+
+def dataset_specs(args: argparse.Namespace) -> list[dataset_config.DatasetSpec]:
+    """The dataset specs of the run: from --dataset_config, --in_json or DreamBooth folders."""
+    if args.dataset_config:
+        ignored = [flag for flag in ("train_data_dir", "reg_data_dir", "in_json") if getattr(args, flag, None)]
+        if ignored:
+            print(f"--dataset_config is given: ignoring {', '.join('--' + flag for flag in ignored)}")
+        user_config = dataset_config.load_user_config(args.dataset_config)
+        user_config = dataset_config.validate_user_config(user_config, args.dataset_config)
+        source = f"--dataset_config {args.dataset_config}"
+    elif args.in_json:
+        user_config = {"datasets": [{"subsets": [{"image_dir": args.train_data_dir, "metadata_file": args.in_json}]}]}
+        source = f"--in_json {args.in_json}"
+    else:
+        if not args.train_data_dir:
+            raise UserError("no dataset: pass --train_data_dir (a folder of <repeats>_<class tokens> subfolders) "
+                            "or --dataset_config FILE.toml")
+        subsets = dreambooth_subsets_from_folders(args.train_data_dir, args.reg_data_dir)
+        user_config = {"datasets": [{"subsets": subsets}]}
+        source = f"--train_data_dir {args.train_data_dir}"
+    return dataset_config.build_specs(user_config, args, source)
+
+
+def validate_latent_cache(args: argparse.Namespace, specs: list[dataset_config.DatasetSpec]) -> None:
+    """kohya's rule: cached latents cannot change per step, so color_aug and random_crop are refused."""
+    if args.cache_latents_to_disk:
+        args.cache_latents = True
+    if not args.cache_latents:
+        return
+    for spec in specs:
+        for subset in spec.subsets:
+            for option in ("color_aug", "random_crop"):
+                if getattr(subset, option):
+                    raise UserError(f"--cache_latents cannot be used with {option} ({subset.where}): cached "
+                                    f"latents would not change between steps; turn one of them off")
+
+
+def build_dataset(args: argparse.Namespace, min_bucket_steps: int = 64) -> TrainDataset:
+    """The dataset of the run, checked before any model is loaded.
+
+    ``min_bucket_steps`` is what bucket_reso_steps must be a multiple of (kohya: 64 for
+    SD1/2, 32 for SDXL). Raises UserError for any dataset mistake, naming its source.
+    """
+    if args.vae_batch_size < 1:
+        raise UserError(f"--vae_batch_size {args.vae_batch_size} must be at least 1")
+    specs = dataset_specs(args)
+    validate_latent_cache(args, specs)
+    text_cache.validate(args, [subset for spec in specs for subset in spec.subsets])
+    plan = plan_datasets(specs, args.skip_bad_images, min_bucket_steps)
+    seed = args.seed if args.seed is not None else 0
+    return TrainDataset(plan, seed)
 
 
 def collate_single_batch(items: list[dict[str, Any]]) -> dict[str, Any]:

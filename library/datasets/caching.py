@@ -1,0 +1,48 @@
+"""Filling the dataset's caches before training, then freeing the models training no longer needs."""
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from library import text_encoding
+from library.datasets import latents, text_cache
+from library.datasets.dataset import TrainDataset
+
+
+def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, models, accelerator,
+                          autocast_dtype: torch.dtype) -> None:
+    """Cache latents (``--cache_latents``) and SDXL text encoder outputs (``--cache_text_encoder_outputs``).
+
+    Call after the models are placed on their device. Mutates ``dataset`` (its stores)
+    and ``models``: the VAE, and the text encoders when their outputs are cached, are
+    dropped (``models.vae = None``, ``models.text_encoders = []``) unless
+    ``--sample_prompts`` needs them later.
+    """
+    keeps_models_for_sampling = bool(getattr(args, "sample_prompts", None))
+    if args.cache_latents:
+        dataset.latent_store = latents.cache_latents(
+            dataset.plan.images, models.vae, to_disk=args.cache_latents_to_disk, is_sdxl=models.is_sdxl,
+            vae_batch_size=args.vae_batch_size, is_main_process=accelerator.is_main_process,
+            wait_for_everyone=accelerator.wait_for_everyone,
+        )
+        if not keeps_models_for_sampling:
+            models.vae = None
+    if getattr(args, "cache_text_encoder_outputs", False):
+        def encode_parts(captions: list[str]):
+            return text_encoding.encode_sdxl_parts(models.tokenizers, models.text_encoders, captions,
+                                                   args.max_token_length)
+
+        autocast = torch.autocast(accelerator.device.type, dtype=autocast_dtype,
+                                  enabled=args.mixed_precision != "no")
+        with autocast:
+            dataset.text_store = text_cache.cache_text_encoder_outputs(
+                dataset.plan.images, encode_parts, text_cache.text_encoders_fingerprint(models.text_encoders),
+                args.max_token_length,
+                # one writer: other processes encode into memory
+                to_disk=args.cache_text_encoder_outputs_to_disk and accelerator.is_main_process,
+            )
+        if not keeps_models_for_sampling:
+            models.text_encoders = []
+    gc.collect()

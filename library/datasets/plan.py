@@ -1,0 +1,179 @@
+"""From dataset specs to a plan: every image with its size and bucket, every sample with a stable id.
+
+A *sample* is one (image, repeat) pair. Sample ids are assigned once, in a fixed
+order (datasets, then subsets, images sorted by path, then repeats), so a sample keeps
+its id whatever the batch size, epoch or worker count: the trainer keys noise by it.
+Image sizes come from file headers (no decode); unreadable images are refused before
+training, or skipped with a warning under ``--skip_bad_images``.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from library.datasets import buckets as bucket_rules
+from library.datasets.config import DatasetSpec, SubsetSpec
+from library.datasets.images import BadImageError, probe_image
+from library.datasets.sources import ImageRecord, balance_regularization, list_subset_images, write_info_cache
+from library.errors import UserError
+
+
+@dataclass
+class PlannedImage:
+    """One image of one subset, placed in a bucket."""
+
+    index: int
+    path: str
+    caption: str
+    size_wh: tuple[int, int]
+    bucket_wh: tuple[int, int]
+    resized_wh: tuple[int, int]
+    aspect_error: float
+    num_repeats: int
+    subset: SubsetSpec
+    dataset_index: int
+
+    @property
+    def is_reg(self) -> bool:
+        return self.subset.is_reg
+
+
+@dataclass
+class DatasetPlan:
+    """One dataset's images and its samples grouped by bucket (each list of sample ids is sorted)."""
+
+    spec: DatasetSpec
+    images: list[PlannedImage] = field(default_factory=list)
+    bucket_samples: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    num_train_images: int = 0  # with repeats, as kohya counts them
+    num_reg_images: int = 0
+
+
+@dataclass
+class Plan:
+    datasets: list[DatasetPlan]
+    images: list[PlannedImage]
+    sample_images: list[int]  # sample id -> image index
+
+    @property
+    def subsets(self) -> list[SubsetSpec]:
+        return [subset for dataset in self.datasets for subset in dataset.spec.subsets]
+
+
+def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_steps: int) -> Plan:
+    """Scan, probe, balance and bucket every dataset; raises UserError when nothing can be trained."""
+    plans: list[DatasetPlan] = []
+    images: list[PlannedImage] = []
+    sample_images: list[int] = []
+    for dataset_index, spec in enumerate(specs):
+        rule = _bucket_rule(spec, min_bucket_steps)
+        plan = DatasetPlan(spec)
+        train_records, reg_records = [], []
+        for subset_index, subset in enumerate(spec.subsets):
+            if subset.num_repeats < 1:
+                print(f"{subset.where}: ignoring the subset, num_repeats {subset.num_repeats} is less than 1")
+                continue
+            records = _probe_sizes(list_subset_images(subset, subset_index), subset, skip_bad_images)
+            if not records:
+                print(f"{subset.where}: ignoring the subset, {subset.name} has no usable images")
+                continue
+            count = len(records) * subset.num_repeats
+            if subset.is_reg:
+                plan.num_reg_images += count
+                reg_records += records
+            else:
+                plan.num_train_images += count
+                train_records += records
+        if reg_records:
+            if plan.num_train_images < plan.num_reg_images:
+                print(f"{spec.where}: more regularisation than training samples; some reg images are not used")
+            reg_records = balance_regularization(plan.num_train_images, reg_records)
+        aspect_errors = []
+        for record in train_records + reg_records:
+            subset = spec.subsets[record.subset_index]
+            try:
+                choice = rule.select(*record.size_wh)
+            except UserError as error:
+                raise UserError(f"image {record.path}: {error}") from None
+            image = PlannedImage(len(images), record.path, record.caption, record.size_wh, choice.bucket_wh,
+                                 choice.resized_wh, choice.aspect_error, record.num_repeats, subset, dataset_index)
+            images.append(image)
+            plan.images.append(image)
+            aspect_errors.append(choice.aspect_error)
+            ids = plan.bucket_samples.setdefault(image.bucket_wh, [])
+            for _ in range(image.num_repeats):
+                ids.append(len(sample_images))
+                sample_images.append(image.index)
+        plans.append(plan)
+        if spec.enable_bucket:
+            counts = {bucket: len(ids) for bucket, ids in plan.bucket_samples.items()}
+            print(bucket_rules.summarize(counts, aspect_errors, f"{spec.where}"))
+    if not sample_images:
+        raise UserError(
+            "no images to train on: check --train_data_dir (the parent of folders like 10_sks dog) "
+            "or the image_dir / metadata_file entries of --dataset_config"
+        )
+    if not any(plan.num_train_images for plan in plans):
+        raise UserError("only regularisation images found: add training images (is_reg = false)")
+    return Plan(plans, images, sample_images)
+
+
+def _bucket_rule(spec: DatasetSpec, min_bucket_steps: int) -> bucket_rules.BucketRule:
+    if not spec.enable_bucket:
+        return bucket_rules.BucketRule(spec.resolution_wh, enable_bucket=False)
+    if spec.bucket_reso_steps % min_bucket_steps:
+        raise UserError(
+            f"{spec.where}: bucket_reso_steps {spec.bucket_reso_steps} must be a multiple of {min_bucket_steps} "
+            f"for this model (kohya's rule)"
+        )
+    min_reso, max_reso = bucket_rules.adjust_bucket_limits(
+        spec.resolution_wh, spec.min_bucket_reso, spec.max_bucket_reso, spec.bucket_reso_steps, spec.where
+    )
+    if spec.bucket_no_upscale:
+        print(f"{spec.where}: min_bucket_reso and max_bucket_reso are ignored with bucket_no_upscale")
+    return bucket_rules.BucketRule(spec.resolution_wh, True, min_reso, max_reso, spec.bucket_reso_steps,
+                                   spec.bucket_no_upscale)
+
+
+def _probe_sizes(records: list[ImageRecord], subset: SubsetSpec, skip_bad_images: bool) -> list[ImageRecord]:
+    """Fill in sizes from file headers; refuse (or skip, with a warning) files that cannot be read."""
+    usable = []
+    probed_any = False
+    for record in records:
+        if record.size_wh is not None and os.path.isfile(record.path):
+            usable.append(record)
+            continue
+        try:
+            record.size_wh = probe_image(record.path)
+            probed_any = True
+        except (BadImageError, FileNotFoundError) as error:
+            if not skip_bad_images:
+                raise BadImageError(str(error)) from None
+            print(f"warning: skipping {record.path}: {error}")
+            continue
+        usable.append(record)
+    if subset.cache_info and subset.metadata_file is None and probed_any and usable:
+        write_info_cache(subset, usable)
+    return usable
+
+
+def variants_by_path(images: list[PlannedImage], key) -> dict[str, set]:
+    """For each file path, the distinct ``key(image)`` values it is used with."""
+    variants: dict[str, set] = defaultdict(set)
+    for image in images:
+        variants[image.path].add(key(image))
+    return variants
+
+
+def dataset_dirs_metadata(plan: Plan) -> dict[str, dict[str, int]]:
+    """kohya's ``ss_dataset_dirs``: folder name -> repeats and image count."""
+    info: dict[str, dict[str, int]] = {}
+    for dataset in plan.datasets:
+        counts: Counter = Counter(image.subset.name for image in dataset.images)
+        for subset in dataset.spec.subsets:
+            if counts[subset.name]:
+                info[os.path.basename(os.path.normpath(subset.name))] = {
+                    "n_repeats": subset.num_repeats, "img_count": counts[subset.name]}
+    return info
+

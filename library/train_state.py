@@ -1,0 +1,339 @@
+"""Training state you can kill -9: atomic state folders, a tracker file, rotation, verified resume.
+
+A state folder holds everything the next step depends on (LoRA, optimizer, LR schedule,
+loss scaler, gradient guard, RNGs, data position) plus ``manifest.json``: the format
+version, the arguments that must not change on resume, and a SHA-256 of every file.
+It is written under a temporary name and renamed when complete; only then is the
+tracker file (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and
+only then are old states removed. So at any instant the newest complete state is intact
+and findable; ``--resume auto`` verifies it and falls back to the newest intact one.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from library.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_SUFFIX = "-state"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save_state", action="store_true",
+                        help="write a training state folder at every save point (for --resume)")
+    parser.add_argument("--save_state_on_train_end", action="store_true",
+                        help="write a training state folder when training ends")
+    parser.add_argument("--save_last_n_steps_state", type=int, default=None,
+                        help="keep only step states of the last N steps (older ones removed after a new one is complete)")
+    parser.add_argument("--save_last_n_epochs_state", type=int, default=None,
+                        help="keep only epoch states of the last N epochs (older ones removed after a new one is complete)")
+    parser.add_argument("--resume", type=str, default=None,
+                        help="state folder to resume from, or 'auto': the newest intact state of this "
+                             "--output_dir/--output_name (start fresh when there is none)")
+
+
+def step_state_name(output_name: str, step: int) -> str:
+    return f"{output_name}-step{step:08d}{STATE_SUFFIX}"
+
+
+def epoch_state_name(output_name: str, epoch: int) -> str:
+    return f"{output_name}-{epoch:06d}{STATE_SUFFIX}"
+
+
+def final_state_name(output_name: str) -> str:
+    return f"{output_name}{STATE_SUFFIX}"
+
+
+@dataclass
+class Progress:
+    """Where the run is: the next micro-batch to train is batch ``batches_done`` of ``epoch``."""
+
+    global_step: int = 0
+    epoch: int = 1
+    batches_done: int = 0
+    seed: int = 0
+    training_started_at: float = 0.0
+    session_id: int = 0
+    non_finite_losses: int = 0
+    loss_history: list[float] = field(default_factory=list)
+
+
+def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the state."""
+    model = args.pretrained_model_name_or_path
+    model_size = os.path.getsize(model) if os.path.isfile(model) else None
+    return {
+        "model": os.path.basename(str(model).rstrip("/\\")),
+        "model_size": model_size,
+        "network_module": args.network_module,
+        "network_dim": args.network_dim,
+        "network_alpha": args.network_alpha,
+        "network_args": sorted(args.network_args or []),
+        "network_train_unet_only": bool(args.network_train_unet_only),
+        "network_train_text_encoder_only": bool(args.network_train_text_encoder_only),
+        "mixed_precision": args.mixed_precision,
+        "train_batch_size": args.train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "resolution": args.resolution,
+        "seed": args.seed,
+        "optimizer_type": args.optimizer_type,
+        "world_size": num_processes,
+    }
+
+
+# -- RNGs ---------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- files ----------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _torch_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    _write_bytes(temporary, text.encode("utf-8"))
+    os.replace(temporary, path)
+
+
+@dataclass
+class TrainingState:
+    """Everything read back from a state folder."""
+
+    path: Path
+    progress: Progress
+    lora: dict[str, torch.Tensor]
+    components: dict[str, Any]  # name -> state_dict (optimizer, lr_scheduler, loss_scaler, grad_guard, ...)
+    rng: dict[str, Any]
+
+
+def verify_state(path: Path) -> tuple[bool, str]:
+    """(intact, reason): every file listed in the manifest exists with its checksum."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return False, "no manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        return False, f"unreadable manifest ({error})"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return False, f"format version {manifest.get('format_version')} (this trainer reads {FORMAT_VERSION})"
+    for name, checksum in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return False, f"missing {name}"
+        if _sha256(file) != checksum:
+            return False, f"checksum mismatch in {name}"
+    return True, "intact"
+
+
+class StateStore:
+    """Writes, rotates, finds and reads the state folders of one run (``output_dir``/``output_name``).
+
+    ``before_rename`` is a test hook called after the files of a state are written and
+    before it becomes visible (kill tests use it to die mid-write).
+    """
+
+    def __init__(self, output_dir: str, output_name: str, protected: dict[str, Any],
+                 before_rename: Optional[Callable[[Path], None]] = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_name = output_name
+        self.protected = protected
+        self.tracker = self.output_dir / f"{output_name}{STATE_SUFFIX}.json"
+        self._before_rename = before_rename
+
+    # -- writing ------------------------------------------------------------------------
+    def save(self, name: str, progress: Progress, lora: dict[str, torch.Tensor], components: dict[str, Any]) -> Path:
+        """Write state folder ``name`` completely, then rename it into place and point the tracker at it."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        final = self.output_dir / name
+        temporary = self.output_dir / f".{name}.tmp{os.getpid()}"
+        if temporary.exists():
+            shutil.rmtree(temporary)
+        temporary.mkdir()
+        files = {
+            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
+            "components.pt": _torch_bytes(components),
+            "rng.pt": _torch_bytes(rng_state()),
+        }
+        for file_name, data in files.items():
+            _write_bytes(temporary / file_name, data)
+        save_file({key: value.detach().cpu().contiguous() for key, value in lora.items()}, temporary / "lora.safetensors")
+        with open(temporary / "lora.safetensors", "rb") as file:
+            os.fsync(file.fileno())
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "global_step": progress.global_step,
+            "arguments": self.protected,
+            "files": {path.name: _sha256(path) for path in sorted(temporary.iterdir())},
+        }
+        _write_bytes(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        _fsync_dir(temporary)
+        if self._before_rename is not None:
+            self._before_rename(temporary)
+        if final.exists():  # the same save point written again (e.g. after a resume)
+            stale = self.output_dir / f".{name}.old{os.getpid()}"
+            os.replace(final, stale)
+            os.replace(temporary, final)
+            shutil.rmtree(stale)
+        else:
+            os.replace(temporary, final)
+        _fsync_dir(self.output_dir)
+        atomic_write_text(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
+        return final
+
+    def rotate(self, kind: str, current: int, keep: Optional[int]) -> None:
+        """Remove step states older than the last ``keep`` steps (kind 'step') or epoch states
+        older than the last ``keep`` epochs (kind 'epoch'), as kohya's flags mean."""
+        if not keep:
+            return
+        pattern = re.compile(
+            re.escape(self.output_name) + (r"-step(\d{8})" if kind == "step" else r"-(\d{6})") + re.escape(STATE_SUFFIX) + "$"
+        )
+        for path in self.output_dir.iterdir():
+            match = pattern.match(path.name)
+            if match and int(match.group(1)) <= current - keep and path.is_dir():
+                shutil.rmtree(path)
+                print(f"removed old state {path}", flush=True)
+
+    def remove_partial_writes(self) -> None:
+        """Delete temporary folders left by a state write that was killed before its rename."""
+        if not self.output_dir.is_dir():
+            return
+        for path in self.output_dir.iterdir():
+            if path.is_dir() and path.name.startswith(f".{self.output_name}") and ".tmp" in path.name:
+                shutil.rmtree(path)
+                print(f"removed the partial state write {path}")
+
+    # -- finding and reading ------------------------------------------------------------------
+    def candidates(self) -> list[Path]:
+        """This run's complete-looking state folders, newest (highest step) first."""
+        if not self.output_dir.is_dir():
+            return []
+        found = []
+        for path in self.output_dir.iterdir():
+            if path.is_dir() and path.name.startswith(self.output_name) and path.name.endswith(STATE_SUFFIX):
+                try:
+                    step = json.loads((path / MANIFEST).read_text()).get("global_step", -1)
+                except (OSError, ValueError):
+                    step = -1
+                found.append((step, path.name, path))
+        return [path for _, _, path in sorted(found, reverse=True)]
+
+    def resolve(self, resume: str) -> Optional[Path]:
+        """The state folder to resume from (None: ``auto`` found nothing, start fresh)."""
+        self.remove_partial_writes()
+        if resume != "auto":
+            path = Path(resume)
+            if not path.is_dir():
+                raise UserError(f"--resume {resume}: no such state folder")
+            intact, reason = verify_state(path)
+            if not intact:
+                raise UserError(f"--resume {resume}: the state is damaged ({reason}); use another state or --resume auto")
+            return path
+        tracked = None
+        if self.tracker.is_file():
+            try:
+                tracked = self.output_dir / json.loads(self.tracker.read_text())["state"]
+            except (OSError, ValueError, KeyError):
+                print(f"--resume auto: tracker {self.tracker} is unreadable; looking for the newest intact state")
+        if tracked is not None:
+            intact, reason = verify_state(tracked)
+            if intact:
+                print(f"--resume auto: resuming from {tracked} (named by {self.tracker.name})")
+                return tracked
+            print(f"--resume auto: {tracked} named by the tracker is unusable ({reason}); trying older states")
+        for path in self.candidates():
+            intact, reason = verify_state(path)
+            if intact:
+                print(f"--resume auto: resuming from {path}, the newest intact state")
+                return path
+            print(f"--resume auto: skipping {path} ({reason})")
+        print("--resume auto: no state found; starting from the beginning")
+        return None
+
+    def load(self, path: Path) -> TrainingState:
+        """Read a verified state; refuse one written with different protected arguments."""
+        manifest = json.loads((path / MANIFEST).read_text())
+        saved = manifest.get("arguments", {})
+        for key in sorted(set(saved) | set(self.protected)):
+            if saved.get(key) != self.protected.get(key):
+                raise UserError(
+                    f"--resume {path}: the state was written with {key}={saved.get(key)!r}, this run has "
+                    f"{key}={self.protected.get(key)!r}; resume with the same settings"
+                )
+        progress = Progress(**json.loads((path / "progress.json").read_text()))
+        components = torch.load(path / "components.pt", map_location="cpu", weights_only=False)
+        rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
+        return TrainingState(path, progress, load_file(path / "lora.safetensors"), components, rng)
+
+
+class ResumableSampler(torch.utils.data.Sampler):
+    """Dataset indices in order, optionally starting at ``start`` for one pass (resume mid-epoch
+    without loading the batches already trained)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+        self.start = 0
+
+    def start_at(self, start: int) -> None:
+        self.start = start
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(range(start, len(self.dataset)))
+
+    def __len__(self) -> int:
+        return len(self.dataset) - self.start
