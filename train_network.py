@@ -25,7 +25,7 @@ from tqdm import tqdm
 from library import (
     config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise, optimizers,
 )
-from library import text_encoding, train_state
+from library import text_encoding, tracking, train_state
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
@@ -58,6 +58,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the tracker log folder name")
     parser.add_argument("--log_tracker_name", type=str, default=None,
                         help="tracker project name (default network_train)")
+    parser.add_argument("--wandb_run_name", type=str, default=None, help="wandb run name (set WANDB_MODE=offline to log offline)")
+    parser.add_argument("--log_jsonl", type=str, default=None,
+                        help="also write every step's scalars as JSON lines to this file (for scripts and GUIs)")
     parser.add_argument("--training_comment", type=str, default=None, help="comment stored in the LoRA metadata")
 
 
@@ -292,7 +295,11 @@ class NetworkTrainer:
         metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw, progress_state.training_started_at))
         writer = lora_files.LoraWriter(args, metadata)
         if accelerator.is_main_process:
-            accelerator.init_trackers(args.log_tracker_name or "network_train", config=None)
+            init_kwargs = {"wandb": {"name": args.wandb_run_name}} if args.wandb_run_name else {}
+            accelerator.init_trackers(args.log_tracker_name or "network_train", config=None, init_kwargs=init_kwargs)
+        jsonl = None
+        if args.log_jsonl and accelerator.is_main_process:
+            jsonl = tracking.JsonlLog(args.log_jsonl, progress_state.global_step if resume_path is not None else None)
 
         print(
             f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
@@ -345,8 +352,10 @@ class NetworkTrainer:
                             loss=loss_value, thresh_off=decision.thresh_off,
                             scale=measured.scale if scaler else None, cosine=measured.cosine if log_cosine else None,
                         )
-                    self.report(args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-                                loss_value, avr_loss, measured, decision)
+                    logs = self.report(args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
+                                       loss_value, avr_loss, measured, decision)
+                    if jsonl is not None:
+                        jsonl.append(step, logs)
                     if accelerator.is_main_process:
                         writer.on_step(unwrapped_network, step, epoch)
                         if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
@@ -371,6 +380,8 @@ class NetworkTrainer:
             flush_logs()
             remove_exit_flush()
             stop.uninstall()
+            if jsonl is not None:
+                jsonl.close()
             accelerator.end_training()
 
         if stop.requested:
@@ -422,7 +433,7 @@ class NetworkTrainer:
         return float(losses.normalize(total, denominator))
 
     def report(self, args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-               loss_value: float, avr_loss: float, measured, decision) -> None:
+               loss_value: float, avr_loss: float, measured, decision) -> dict[str, float]:
         """Progress bar postfix and tracker scalars of one optimizer step."""
         postfix = {"avr_loss": f"{avr_loss:.4f}"}
         if args.skip_grad_norm:
@@ -447,6 +458,7 @@ class NetworkTrainer:
         for index, lr in enumerate(lr_scheduler.get_last_lr()):
             logs[f"lr/group{index}"] = lr
         accelerator.log(logs, step=progress_state.global_step)
+        return logs
 
     # -- pieces of the loop --------------------------------------------------------------
     def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> lora.LoRANetwork:
