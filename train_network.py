@@ -20,12 +20,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 from tqdm import tqdm
 
 from library import (
     config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise, optimizers,
 )
-from library import text_encoding, tracking, train_state
+from library import sharding, text_encoding, tracking, train_state
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
@@ -196,6 +197,7 @@ class NetworkTrainer:
 
         dataset = datasets.build_dataset(args, min_bucket_steps=32 if self.is_sdxl else 64)
         accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
             mixed_precision="no",  # autocast and the loss scaler are ours: accelerate drops both on CPU
             log_with=tracker_names(args),
@@ -224,16 +226,15 @@ class NetworkTrainer:
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
 
         num_workers = min(args.max_data_loader_n_workers, os.cpu_count() or 1)
-        sampler = train_state.ResumableSampler(dataset)
+        sampler = sharding.ShardSampler(dataset, accelerator.process_index, accelerator.num_processes)
         dataloader = torch.utils.data.DataLoader(
-            dataset,
+            sharding.PaddedBatches(dataset),
             batch_size=1,  # one dataset item is one whole batch, ordered per epoch by (seed, epoch)
             sampler=sampler,
             collate_fn=datasets.collate_single_batch,
             num_workers=num_workers,
             persistent_workers=args.persistent_data_loader_workers and num_workers > 0,
         )
-        network, dataloader = accelerator.prepare(network, dataloader)
         steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
         if args.max_train_epochs is not None:
             args.max_train_steps = args.max_train_epochs * steps_per_epoch
@@ -246,7 +247,6 @@ class NetworkTrainer:
         grad_log = GradientLog.from_args(args, with_scale=scaler is not None) if accelerator.is_main_process else None
         log_cosine = grad_log is not None and grad_log.with_cosine
         monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
-        unwrapped_network = accelerator.unwrap_model(network)
 
         # -- resume -------------------------------------------------------------------------
         store = train_state.StateStore(
@@ -262,7 +262,7 @@ class NetworkTrainer:
         resume_path = store.resolve(args.resume) if args.resume else None
         if resume_path is not None:
             state = store.load(resume_path)
-            unwrapped_network.load_state_dict({k: v.to(device) for k, v in state.lora.items()})
+            network.load_state_dict({k: v.to(device) for k, v in state.lora.items()})
             for name, component in stateful.items():
                 component.load_state_dict(state.components[name])
             train_state.set_rng_state(state.rng)
@@ -273,7 +273,7 @@ class NetworkTrainer:
 
         def save_state(name: str) -> None:
             components = {name: component.state_dict() for name, component in stateful.items()}
-            store.save(name, progress_state, unwrapped_network.lora_state_dict(), components)
+            store.save(name, progress_state, network.lora_state_dict(), components)
 
         metadata = training_metadata(
             args,
@@ -322,15 +322,16 @@ class NetworkTrainer:
             while progress_state.global_step < args.max_train_steps:
                 epoch = progress_state.epoch
                 dataset.set_epoch(epoch)
-                dataloader.set_epoch(epoch)  # accelerate passes its own epoch to dataset.set_epoch on iteration
-                sampler.start_at(progress_state.batches_done * accelerator.num_processes)
+                sampler.start_at(progress_state.batches_done)
                 network.train()
                 batches = iter(dataloader)
                 while progress_state.global_step < args.max_train_steps and not stop.requested:
-                    window = list(itertools.islice(batches, args.gradient_accumulation_steps))
+                    window = [send_to_device(batch, device)
+                              for batch in itertools.islice(batches, args.gradient_accumulation_steps)]
                     if not window:
                         break
-                    loss_value = self.backward_window(run, window, epoch, accelerator, network, scaler)
+                    loss_value = self.backward_window(run, window, epoch, accelerator, scaler)
+                    sharding.sum_gradients_across_processes(trainable_params)
                     step = progress_state.global_step + 1
                     fault_injection.inject(injections, step, accelerator.process_index, trainable_params)
                     measured = monitor.measure(scale=scaler.get_scale() if scaler else None)
@@ -357,7 +358,7 @@ class NetworkTrainer:
                     if jsonl is not None:
                         jsonl.append(step, logs)
                     if accelerator.is_main_process:
-                        writer.on_step(unwrapped_network, step, epoch)
+                        writer.on_step(network, step, epoch)
                         if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
                             flush_logs()
                             save_state(train_state.step_state_name(args.output_name, step))
@@ -368,7 +369,7 @@ class NetworkTrainer:
                     progress_state.epoch += 1
                     progress_state.batches_done = 0
                     if accelerator.is_main_process:
-                        writer.on_epoch_end(unwrapped_network, progress_state.global_step, epoch,
+                        writer.on_epoch_end(network, progress_state.global_step, epoch,
                                             is_last_epoch=epoch == num_epochs)
                         every = args.save_every_n_epochs
                         if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
@@ -393,9 +394,11 @@ class NetworkTrainer:
                 print(f"interrupted at step {progress_state.global_step}; no state saved (--save_state is off)",
                       flush=True)
             sys.exit(stop.exit_code)
+        if args.debug_report_weights:
+            fault_injection.report_weights(accelerator.process_index, network.lora_state_dict())
         if accelerator.is_main_process:
             epoch = progress_state.epoch - (1 if progress_state.batches_done == 0 else 0)
-            saved = writer.write(unwrapped_network, lora_files.final_file_name(args.output_name),
+            saved = writer.write(network, lora_files.final_file_name(args.output_name),
                                  progress_state.global_step, epoch)
             if args.save_state_on_train_end:
                 save_state(train_state.final_state_name(args.output_name))
@@ -405,8 +408,7 @@ class NetworkTrainer:
               f"skipped steps {guard.skipped_steps}")
 
     def backward_window(
-        self, run: "LossContext", window: list[dict[str, Any]], epoch: int, accelerator: Accelerator,
-        network: torch.nn.Module, scaler,
+        self, run: "LossContext", window: list[dict[str, Any]], epoch: int, accelerator: Accelerator, scaler,
     ) -> float:
         """Forward and backward every micro-batch of one accumulation window; returns the window's loss.
 
@@ -420,14 +422,13 @@ class NetworkTrainer:
         )
         denominator = accelerator.reduce(local.to(run.device), reduction="sum")
         window_loss_sum = torch.zeros((), device=run.device)
-        for position, (batch, plan) in enumerate(zip(window, plans)):
-            is_last = position == len(window) - 1
-            with nullcontext() if is_last else accelerator.no_sync(network):
-                with run.autocast:
-                    result = self.compute_loss(run, batch, epoch, plan)
-                # DDP averages gradients over processes: undo that so the loss is a global sum / denominator.
-                objective = losses.micro_batch_objective(result.loss_sum, denominator, accelerator.num_processes)
-                accelerator.backward(scaler.scale(objective) if scaler else objective)
+        for batch, plan in zip(window, plans):
+            with run.autocast:
+                result = self.compute_loss(run, batch, epoch, plan)
+            # Gradients are summed over processes afterwards, so each process's share of the
+            # global sum / global denominator adds up to exactly the full-batch gradient.
+            objective = losses.micro_batch_objective(result.loss_sum, denominator, 1.0)
+            accelerator.backward(scaler.scale(objective) if scaler else objective)
             window_loss_sum += result.loss_sum.detach()
         total = accelerator.reduce(window_loss_sum, reduction="sum")
         return float(losses.normalize(total, denominator))

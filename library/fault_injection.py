@@ -8,6 +8,7 @@ and the multi-process agreement then meet a real non-finite gradient; nothing is
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug_inject_grad", type=str, nargs="*", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug_kill_in_state_write", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug_report_weights", action="store_true", help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,12 @@ def state_write_hook(kill_at: Optional[int]) -> Optional[Callable[[Path], None]]
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
+
+
+def report_weights(rank: int, state: dict[str, torch.Tensor]) -> None:
+    """Print one line with a SHA-256 of this process's LoRA weights (multi-process tests compare ranks)."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    print(f"rank {rank} lora_sha256 {digest.hexdigest()}", flush=True)

@@ -62,6 +62,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model_config_dir", type=str, default=None,
                        help="diffusers-format folder of configs (no weights) describing a single-file model's "
                             "architecture (default: the shipped config for SDXL, SD1.5 or SD2.x 768-v)")
+    group.add_argument("--lowram", action="store_true",
+                       help="kohya's low-RAM loading: put the weights on the training device (GPU) as they are "
+                            "read instead of building the models in host RAM first, for machines with more VRAM "
+                            "than RAM; single files then never hold a model in RAM. No effect on CPU "
+                            "(default: off)")
+    group.add_argument("--highvram", action="store_true",
+                       help="kohya's high-VRAM mode: keep the CUDA allocator's cache after caching latents and "
+                            "text encoder outputs instead of emptying it. No effect on CPU (default: off)")
+
+
+def load_device(args: argparse.Namespace) -> torch.device:
+    """Where ``load_models`` should put the weights: this process's training device with ``--lowram``, else CPU.
+
+    Call after the ``Accelerator`` exists (its process state picks the device).
+    """
+    if not getattr(args, "lowram", False):
+        return torch.device("cpu")
+    from accelerate import PartialState
+
+    return PartialState().device
 
 
 @dataclass
@@ -100,14 +120,18 @@ def load_models_from_args(args: argparse.Namespace, *, sdxl: bool) -> StableDiff
                         "or a .safetensors/.ckpt file")
     return load_models(args.pretrained_model_name_or_path, sdxl=sdxl, v2=args.v2,
                        model_config_dir=args.model_config_dir, tokenizer_cache_dir=args.tokenizer_cache_dir,
-                       vae_path=args.vae)
+                       vae_path=args.vae, device=load_device(args))
 
 
 def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
                 model_config_dir: str | os.PathLike | None = None,
                 tokenizer_cache_dir: str | os.PathLike | None = None,
-                vae_path: str | os.PathLike | None = None) -> StableDiffusionModels:
+                vae_path: str | os.PathLike | None = None,
+                device: torch.device | str | None = None) -> StableDiffusionModels:
     """Load tokenizers, text encoders, VAE, UNet and scheduler config, fp32 on CPU, in eval mode.
+
+    ``device`` (``--lowram``, see ``load_device``): put the weights there instead; a single
+    file's tensors go there one at a time, a diffusers folder's components one at a time.
 
     ``path`` is a diffusers folder (components via ``from_pretrained``, offline;
     ``model_config_dir`` is not used) or a single file (architecture and
@@ -125,17 +149,19 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
                         ".safetensors/.ckpt file (hub ids are not downloaded)")
     keep_vae = vae_path is None
     if path.is_dir():
-        unet, vae, text_encoders, vae_config, scheduler_config = _load_diffusers_folder(path, kind, keep_vae)
+        unet, vae, text_encoders, vae_config, scheduler_config = _load_diffusers_folder(path, kind, keep_vae, device)
         tokenizer_dir: Path | None = path
     else:
         if model_config_dir is not None:
             _check_config_dir(Path(model_config_dir), kind)
         config_dir = Path(model_config_dir) if model_config_dir is not None else shipped_config_dir(kind)
-        unet, vae, text_encoders, vae_config = _load_single_file(path, kind, config_dir, keep_vae)
+        unet, vae, text_encoders, vae_config = _load_single_file(path, kind, config_dir, keep_vae, device)
         scheduler_config = _read_json(config_dir / "scheduler" / "scheduler_config.json", "--model_config_dir")
         tokenizer_dir = Path(model_config_dir) if model_config_dir is not None else None
     if vae is None:
         vae = load_vae(vae_path, vae_config=vae_config)
+        if device is not None:
+            vae.to(device)
     tokenizers = load_tokenizers(kind, model_dir=tokenizer_dir, tokenizer_cache_dir=tokenizer_cache_dir)
     name = path.name if path.is_dir() else path.stem
     return StableDiffusionModels(kind, tokenizers, text_encoders, vae, unet, scheduler_config, name)
@@ -145,7 +171,7 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
 # Diffusers folders
 # ---------------------------------------------------------------------------
 
-def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool):
+def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device: torch.device | str | None = None):
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -170,7 +196,8 @@ def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool):
             raise UserError(f"{flag}: {folder} has no {subfolder}/ folder")
         variant = "fp16" if _only_fp16_weights(sub) else None
         try:
-            return cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
+            model = cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
+            return model.to(device) if device is not None else model
         except (OSError, ValueError, RuntimeError, SafetensorError) as error:
             raise UserError(f"{flag}: cannot load {sub}: {_first_line(error)}") from error
 
@@ -196,10 +223,21 @@ def _only_fp16_weights(folder: Path) -> bool:
 # Single files
 # ---------------------------------------------------------------------------
 
+# safetensors dtype names -> torch dtypes read with plain file reads (others go through safe_open).
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class CheckpointReader:
     """Key, shape and tensor access to one ``.safetensors`` (streamed) or ``.ckpt`` (memory-mapped) file.
 
-    Every read error becomes a ``UserError`` naming ``flag`` and the file.
+    Every read error becomes a ``UserError`` naming ``flag`` and the file. A ``.safetensors``
+    tensor is read with a plain file read into its own buffer, not through the memory map:
+    pages of a map stay resident (``RssFile``) while the file is open, so reading a 7 GB
+    SDXL file through it would add the whole file to the process's peak memory.
     """
 
     def __init__(self, path: Path, flag: str):
@@ -207,9 +245,14 @@ class CheckpointReader:
         self._stack = contextlib.ExitStack()
         try:
             if path.suffix == ".safetensors":
+                # safe_open validates the header and offsets; the data itself is read by _read_tensor.
                 self._handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
                 self._state: Mapping[str, torch.Tensor] | None = None
                 self._keys = list(self._handle.keys())
+                self._file = self._stack.enter_context(open(path, "rb"))
+                header_length = int.from_bytes(self._file.read(8), "little")
+                self._header = json.loads(self._file.read(header_length))
+                self._data_start = 8 + header_length
             else:
                 self._state = _load_pickled_state_dict(path)
                 self._keys = [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
@@ -234,9 +277,23 @@ class CheckpointReader:
             if self._state is not None:
                 # Clone so no parameter stays backed by the memory-mapped file.
                 return self._state[key].clone()
-            return self._handle.get_tensor(key)
+            entry = self._header[key]
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                return self._handle.get_tensor(key)
+            return self._read_tensor(entry)
         except (SafetensorError, OSError, RuntimeError) as error:
             raise self._error(error) from error
+
+    def _read_tensor(self, entry: Mapping[str, Any]) -> torch.Tensor:
+        begin, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        if end == begin:
+            return tensor
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        self._file.seek(self._data_start + begin)
+        if self._file.readinto(buffer) != end - begin:
+            raise OSError(f"the file ends inside tensor data (offsets {begin}..{end})")
+        return tensor
 
     def close(self) -> None:
         self._state = None
@@ -336,7 +393,8 @@ def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = Tr
     return unet, vae, text_encoders, vae_config
 
 
-def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: bool):
+def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: bool,
+                      device: torch.device | str | None = None):
     flag = "--pretrained_model_name_or_path"
     if not path.is_file():
         raise UserError(f"{flag}: {path} is not a file or folder")
@@ -348,13 +406,13 @@ def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: b
         except KeyError as error:
             raise UserError(f"--model_config_dir: the architecture in {config_dir} is not supported: "
                             f"{error}") from error
-        _stream_into(reader, list(maps.values()), config_hint=f"configs in {config_dir}")
+        _stream_into(reader, list(maps.values()), config_hint=f"configs in {config_dir}", device=device)
     return unet, vae, text_encoders, vae_config
 
 
 def _stream_into(reader: CheckpointReader, components: list[tuple[torch.nn.Module, KeyMap]],
-                 config_hint: str) -> None:
-    """Fill every tensor of each (model, key map) from ``reader``, one tensor at a time.
+                 config_hint: str, device: torch.device | str | None = None) -> None:
+    """Fill every tensor of each (model, key map) from ``reader``, one tensor at a time, fp32 on ``device`` (CPU).
 
     All names and shapes are checked before any data is read, so a wrong file
     fails fast. Keys outside every component's prefix are skipped (EMA copies,
@@ -392,7 +450,7 @@ def _stream_into(reader: CheckpointReader, components: list[tuple[torch.nn.Modul
     del meta_states
     for key, model, rule in plan:
         for name, value in zip(rule.diffusers, rule.to_diffusers(reader.get(key))):
-            _assign(model, name, value.to(torch.float32))
+            _assign(model, name, value.to(device or "cpu", torch.float32))
     for model, _ in components:
         leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if leftovers:  # a rule table gap, not a user mistake

@@ -319,21 +319,3 @@ class StateStore:
         rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
         return TrainingState(path, progress, load_file(path / "lora.safetensors"), components, rng)
 
-
-class ResumableSampler(torch.utils.data.Sampler):
-    """Dataset indices in order, optionally starting at ``start`` for one pass (resume mid-epoch
-    without loading the batches already trained)."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
-        self.dataset = dataset
-        self.start = 0
-
-    def start_at(self, start: int) -> None:
-        self.start = start
-
-    def __iter__(self):
-        start, self.start = self.start, 0
-        return iter(range(start, len(self.dataset)))
-
-    def __len__(self) -> int:
-        return len(self.dataset) - self.start

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import sys
 
 import torch
 
@@ -18,7 +20,8 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
     Call after the models are placed on their device. Mutates ``dataset`` (its stores)
     and ``models``: the VAE, and the text encoders when their outputs are cached, are
     dropped (``models.vae = None``, ``models.text_encoders = []``) unless
-    ``--sample_prompts`` needs them later.
+    ``--sample_prompts`` needs them later. The freed memory is returned to the OS, and on
+    CUDA the allocator's cache is emptied unless ``--highvram``.
     """
     keeps_models_for_sampling = bool(getattr(args, "sample_prompts", None))
     if args.cache_latents:
@@ -46,3 +49,21 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
         if not keeps_models_for_sampling:
             models.text_encoders = []
     gc.collect()
+    release_freed_memory(accelerator.device, keep_device_cache=getattr(args, "highvram", False))
+
+
+def release_freed_memory(device: torch.device, keep_device_cache: bool = False) -> None:
+    """Hand memory of freed tensors back: host heap pages to the OS, and the CUDA cache unless kept.
+
+    glibc serves tensors below its mmap threshold (which grows to 32 MiB as large blocks
+    are freed) from the heap, and a freed heap block stays in the process: without
+    ``malloc_trim`` the dropped SDXL text encoders (about 3 GiB in fp32) would stay resident
+    for the whole run. Elsewhere (no glibc) this is a no-op on the host side.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
+            pass
+    if device.type == "cuda" and not keep_device_cache:
+        torch.cuda.empty_cache()

@@ -1,0 +1,82 @@
+"""Which batches each process trains, in what order, from where: sharding and mid-epoch resume.
+
+One dataset item is one whole batch, ordered per epoch by (seed, epoch). Process ``rank``
+of ``world_size`` takes batches ``rank, rank + world_size, ...``: every batch exactly once
+per epoch, no duplicates and no gaps. When the count does not divide evenly, the shorter
+processes get padding batches (a real batch with every loss weight and mask at zero), so
+all processes run the same number of micro-batches (DDP needs that) while the padding
+adds nothing to the exactly-normalised loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """Batch indices for one process; padding is encoded as ``-1 - index``."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, rank: int = 0, world_size: int = 1) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
+        self.start = 0
+
+    def batches_per_process(self) -> int:
+        return math.ceil(len(self.dataset) / self.world_size)
+
+    def start_at(self, local_batches_done: int) -> None:
+        """Skip this many of this process's batches in the next pass only (mid-epoch resume)."""
+        self.start = local_batches_done
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        total = len(self.dataset)
+        for position in range(start, self.batches_per_process()):
+            index = position * self.world_size + self.rank
+            yield index if index < total else -1 - (index % total)
+
+    def __len__(self) -> int:
+        return self.batches_per_process()
+
+
+class PaddedBatches(torch.utils.data.Dataset):
+    """Resolves ``ShardSampler`` indices; a padding index gives a batch that weighs nothing."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        if index >= 0:
+            return self.dataset[index]
+        batch = dict(self.dataset[-1 - index])
+        batch["loss_weights"] = torch.zeros_like(batch["loss_weights"])
+        images = batch.get("latents", batch.get("images"))
+        batch["alpha_masks"] = torch.zeros((images.shape[0], images.shape[2], images.shape[3]))
+        return batch
+
+
+def sum_gradients_across_processes(parameters: list[torch.Tensor]) -> None:
+    """Replace every ``.grad`` by its sum over all processes, with one all-reduce of a flat buffer.
+
+    The trainer does this itself instead of wrapping the network in DDP: the LoRA network's
+    own forward is never called (its modules hook into the UNet), and the loss is already a
+    global sum over the denominator of all processes, so a plain SUM is the exact gradient.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() == 1:
+        return
+    grads = []
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    torch._foreach_copy_(grads, [part.view_as(grad) for part, grad in zip(flat.split([g.numel() for g in grads]), grads)])

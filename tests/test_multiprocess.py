@@ -1,0 +1,117 @@
+"""Two CPU processes (torchrun, gloo): rank-consistent guard, scaler, loss normalisation and resume."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import model_args
+from PIL import Image
+
+from networks import lora
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "SOURCE_DATE_EPOCH": "1700000000", "OMP_NUM_THREADS": "1"}
+
+
+def launch(argv: list[str], processes: int, check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N sdxl_train_network.py ...`` (plain python for one process)."""
+    if processes == 1:
+        command = [sys.executable, str(REPO / "sdxl_train_network.py")]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                   "--master_port", str(29500 + os.getpid() % 1000), str(REPO / "sdxl_train_network.py")]
+    result = subprocess.run(command + argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def rank_hashes(result: subprocess.CompletedProcess) -> dict[int, str]:
+    return {int(rank): digest for rank, digest in re.findall(r"rank (\d) lora_sha256 (\w+)", result.stdout)}
+
+
+@pytest.fixture(scope="module")
+def masked_dataset(tmp_path_factory) -> Path:
+    """Two RGBA images whose alpha covers different areas (a quarter and three quarters)."""
+    root = tmp_path_factory.mktemp("masked")
+    folder = root / "1_thing"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for index, covered_rows in enumerate((16, 48)):
+        pixels = rng.integers(0, 256, (64, 64, 4), dtype=np.uint8)
+        pixels[..., 3] = 0
+        pixels[:covered_rows, :, 3] = 255
+        Image.fromarray(pixels, "RGBA").save(folder / f"{index}.png")
+        (folder / f"{index}.txt").write_text(f"thing {index}")
+    return root
+
+
+def common(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    return model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--seed", "7", "--max_data_loader_n_workers", "0",
+        "--network_train_unet_only", "--network_dim", "4", "--debug_report_weights", *extra,
+    ]
+
+
+def test_two_processes_batch_one_equal_one_process_batch_two(tiny_models, masked_dataset, tmp_path):
+    """Masked loss of different areas: the global exact normalisation makes the split irrelevant."""
+    flags = ("--alpha_mask", "--masked_loss", "--optimizer_type", "torch.optim.SGD", "--learning_rate", "0.5",
+             "--max_train_steps", "3", "--save_precision", "float")
+    two = launch(common(tiny_models, masked_dataset, tmp_path / "two", "--train_batch_size", "1", *flags), 2)
+    one = launch(common(tiny_models, masked_dataset, tmp_path / "one", "--train_batch_size", "2", *flags), 1)
+    hashes = rank_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]  # both ranks hold the same LoRA
+    a = lora.read_lora_file(str(tmp_path / "two" / "last.safetensors"))
+    b = lora.read_lora_file(str(tmp_path / "one" / "last.safetensors"))
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), key
+    assert any(a[key].abs().sum() > 0 for key in a if "lora_up" in key)
+
+
+def test_nan_on_one_rank_lowers_the_scale_on_both_and_resume_is_exact(tiny_models, demo_dataset, tmp_path):
+    flags = ("--mixed_precision", "fp16", "--train_batch_size", "1", "--max_train_steps", "6",
+             "--grad_guard_preset", "stable", "--debug_inject_grad", "2=nan@1",
+             "--save_state", "--save_every_n_steps", "2")
+    # The NaN is written into rank 1's gradient after the gradient all-reduce, so only rank 1 sees it:
+    # the loss scaler's found-inf flag must be agreed so that both ranks skip and both lower the scale.
+    reference = launch(common(tiny_models, demo_dataset, tmp_path / "reference", *flags), 2)
+    hashes = rank_hashes(reference)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    rows = [row.split(",") for row in (tmp_path / "reference" / "gradient_logs+last.txt").read_text().splitlines()[1:]]
+    assert [row[6] for row in rows] == ["65536.0", "65536.0"] + ["32768.0"] * 4  # the scale used at each step
+
+    killed_dir = tmp_path / "killed"
+    crashed = launch(common(tiny_models, demo_dataset, killed_dir, *flags, "--debug_kill_in_state_write", "2"), 2,
+                     check=False)
+    assert crashed.returncode != 0
+    resumed = launch(common(tiny_models, demo_dataset, killed_dir, *flags, "--resume", "auto"), 2)
+    assert "resuming from" in resumed.stdout
+    assert (killed_dir / "last.safetensors").read_bytes() == (tmp_path / "reference" / "last.safetensors").read_bytes()
+    assert (killed_dir / "gradient_logs+last.txt").read_text() == \
+        (tmp_path / "reference" / "gradient_logs+last.txt").read_text()
+
+
+def test_resume_with_another_world_size_is_refused(tiny_models, demo_dataset, tmp_path):
+    flags = ("--max_train_steps", "2", "--save_state", "--save_every_n_steps", "2")
+    launch(common(tiny_models, demo_dataset, tmp_path / "out", *flags), 2)
+    result = launch(common(tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "4",
+                           "--resume", str(tmp_path / "out" / "last-step00000002-state")), 1, check=False)
+    assert result.returncode == 2
+    assert "world_size" in result.stderr
+
+
+def test_guard_skip_decided_on_one_rank_is_taken_by_both(tiny_models, demo_dataset, tmp_path):
+    """Immediate NaN skipping: only rank 1 sees the NaN, both ranks skip the step."""
+    result = launch(common(tiny_models, demo_dataset, tmp_path / "out", "--mixed_precision", "fp16",
+                           "--max_train_steps", "3", "--grad_guard_preset", "minimal",
+                           "--debug_inject_grad", "2=nan@1"), 2)
+    hashes = rank_hashes(result)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert result.stdout.count("skipped steps 1") == 2
