@@ -20,15 +20,6 @@ from library.model_loading import StableDiffusionModels
 class SdxlNetworkTrainer(train_network.NetworkTrainer):
     is_sdxl = True
 
-    def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
-        return model_loading.load_models(
-            args.pretrained_model_name_or_path,
-            sdxl=True,
-            model_config_dir=args.model_config_dir,
-            tokenizer_cache_dir=args.tokenizer_cache_dir,
-            vae_path=args.vae,
-        )
-
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
         """SDXL LoRA keys use the original block names (``input_blocks_4_1_...``) like kohya's files."""
         return checkpoint_keys.unet_module_name_map(models.unet.config)

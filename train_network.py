@@ -163,8 +163,8 @@ class NetworkTrainer:
     def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
         return model_loading.load_models(
             args.pretrained_model_name_or_path,
-            sdxl=False,
-            v2=args.v2,
+            sdxl=self.is_sdxl,
+            v2=args.v2 and not self.is_sdxl,
             model_config_dir=args.model_config_dir,
             tokenizer_cache_dir=args.tokenizer_cache_dir,
             vae_path=args.vae,

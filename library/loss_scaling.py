@@ -194,8 +194,8 @@ class StaticPolicy(ScalePolicy):
 
 
 @register_loss_scaler("aggressive")
-class AggressivePolicy(ScalePolicy):
-    """Backs off hard, grows sooner, capped.
+class AggressivePolicy(DynamicPolicy):
+    """Backs off hard, grows sooner, capped: ``dynamic``'s rule with other factors and a cap.
 
     On overflow: ``scale *= backoff_factor`` (0.25) and the clean-step counter restarts at 0.
     On a clean step: the counter counts; when it reaches ``growth_interval`` (1500), ``scale =
@@ -203,31 +203,17 @@ class AggressivePolicy(ScalePolicy):
     when the scale is already at the cap).
     """
 
-    STATE_FIELDS = ("growth_tracker",)
-
     def __init__(self, *, init_scale: float = 2.0**16, growth_factor: float = 1.8, backoff_factor: float = 0.25,
                  growth_interval: int = 1500, max_scale: float = 2.0**24) -> None:
-        self.init_scale = _scale_arg("init_scale", init_scale)
-        self.growth_factor = _factor_arg("growth_factor", growth_factor, above_one=True)
-        self.backoff_factor = _factor_arg("backoff_factor", backoff_factor, above_one=False)
-        self.growth_interval = _steps_arg("growth_interval", growth_interval)
+        super().__init__(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                         growth_interval=growth_interval)
         self.max_scale = _scale_arg("max_scale", max_scale)
         if self.init_scale > self.max_scale:
             raise UserError(f"--loss_scaler_args init_scale={init_scale} must not exceed max_scale={max_scale}")
-        self.growth_tracker = 0
-
-    def initial_scale(self) -> float:
-        return self.init_scale
 
     def next_scale(self, scale: float, overflow: bool) -> float:
-        if overflow:
-            self.growth_tracker = 0
-            return scale * self.backoff_factor
-        self.growth_tracker += 1
-        if self.growth_tracker < self.growth_interval:
-            return scale
-        self.growth_tracker = 0
-        return min(scale * self.growth_factor, self.max_scale)
+        next_scale = super().next_scale(scale, overflow)
+        return next_scale if overflow else min(next_scale, self.max_scale)
 
 
 @register_loss_scaler("floored")
