@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 import train_network
-from library import checkpoint_keys, model_loading, text_encoding
+from library import checkpoint_keys, text_encoding
 from library.datasets import text_cache
 from library.errors import exit_on_user_error
 from library.model_loading import StableDiffusionModels
