@@ -253,6 +253,7 @@ class CheckpointReader:
                 header_length = int.from_bytes(self._file.read(8), "little")
                 self._header = json.loads(self._file.read(header_length))
                 self._data_start = 8 + header_length
+                self._scratch: torch.Tensor | None = None
             else:
                 self._state = _load_pickled_state_dict(path)
                 self._keys = [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
@@ -272,21 +273,33 @@ class CheckpointReader:
             return tuple(self._state[key].shape)
         return tuple(self._handle.get_slice(key).get_shape())
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, transient: bool = False) -> torch.Tensor:
+        """The tensor ``key`` as stored. ``transient``: it may share memory with the file or with a
+        buffer reused by the next ``get`` (the caller copies it out), so reading allocates nothing."""
         try:
             if self._state is not None:
                 # Clone so no parameter stays backed by the memory-mapped file.
-                return self._state[key].clone()
+                return self._state[key] if transient else self._state[key].clone()
             entry = self._header[key]
             if entry["dtype"] not in _SAFETENSORS_DTYPES:
                 return self._handle.get_tensor(key)
-            return self._read_tensor(entry)
+            return self._read_tensor(entry, transient)
         except (SafetensorError, OSError, RuntimeError) as error:
             raise self._error(error) from error
 
-    def _read_tensor(self, entry: Mapping[str, Any]) -> torch.Tensor:
+    def _read_tensor(self, entry: Mapping[str, Any], transient: bool) -> torch.Tensor:
         begin, end = entry["data_offsets"]
-        tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        if transient:
+            # One buffer of the largest tensor's size for the whole file: freed per-tensor
+            # temporaries would leave holes in the heap that the fp32 weights cannot reuse.
+            if self._scratch is None:
+                largest = max(e["data_offsets"][1] - e["data_offsets"][0]
+                              for k, e in self._header.items() if k != "__metadata__")
+                self._scratch = torch.empty(largest, dtype=torch.uint8)
+            tensor = self._scratch[:end - begin].view(dtype).view(entry["shape"])
+        else:
+            tensor = torch.empty(entry["shape"], dtype=dtype)
         if end == begin:
             return tensor
         buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
@@ -297,6 +310,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._state = None
+        self._scratch = None
         self._stack.close()
 
     def __enter__(self) -> "CheckpointReader":
@@ -449,8 +463,9 @@ def _stream_into(reader: CheckpointReader, components: list[tuple[torch.nn.Modul
                             f"{list(expected)} (architecture from {config_hint}; --model_config_dir sets it)")
     del meta_states
     for key, model, rule in plan:
-        for name, value in zip(rule.diffusers, rule.to_diffusers(reader.get(key))):
-            _assign(model, name, value.to(device or "cpu", torch.float32))
+        for name, value in zip(rule.diffusers, rule.to_diffusers(reader.get(key, transient=True))):
+            # A fresh fp32 tensor on the target device, copied (and cast) from the transient read.
+            _assign(model, name, torch.empty(value.shape, dtype=torch.float32, device=device or "cpu").copy_(value))
     for model, _ in components:
         leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if leftovers:  # a rule table gap, not a user mistake
