@@ -30,12 +30,15 @@ print("PEAK_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def train_once(models: dict, dataset: str, out: str, resolution: int, precision: str, steps: int) -> tuple[float, float]:
+def train_once(
+    models: dict, dataset: str, out: str, resolution: int, precision: str, steps: int, extra: tuple[str, ...] = ()
+) -> tuple[float, float]:
+    """Train in a fresh process; returns (wall seconds, peak RSS GiB)."""
     argv = [
         "--pretrained_model_name_or_path", str(models["sdxl_file"]), "--model_config_dir", str(models["sdxl_config"]),
         "--train_data_dir", dataset, "--caption_extension", ".txt", "--resolution", str(resolution),
         "--output_dir", out, "--max_train_steps", str(steps), "--mixed_precision", precision,
-        "--network_dim", "8", "--seed", "0", "--max_data_loader_n_workers", "0",
+        "--network_dim", "8", "--seed", "0", "--max_data_loader_n_workers", "0", *extra,
     ]
     start = time.perf_counter()
     result = subprocess.run(
