@@ -234,3 +234,22 @@ def test_saved_lora_is_accepted_by_diffusers_and_changes_the_image(trained_sdxl_
         assert torch.equal(module.lora_A["default_0"].weight.data, down)
         assert torch.equal(module.lora_B["default_0"].weight.data, up)
         assert module.scaling["default_0"] == pytest.approx(alpha.item() / down.shape[0])
+
+
+def test_sd1_from_diffusers_folder_with_vae_override_and_sd2_v_prediction(tiny_models, demo_dataset, tmp_path):
+    run_trainer(
+        "train_network",
+        ["--pretrained_model_name_or_path", str(tiny_models["sd15"]), "--vae", str(Path(tiny_models["sd15"]) / "vae"),
+         "--no_half_vae", "--mixed_precision", "fp16"]
+        + common_args(demo_dataset, tmp_path / "sd15", "--max_train_steps", "2"),
+    )
+    run_trainer(
+        "train_network",
+        model_args(tiny_models, "sd2") + ["--v2", "--v_parameterization"]
+        + common_args(demo_dataset, tmp_path / "sd2", "--max_train_steps", "2"),
+    )
+    with safe_open(str(tmp_path / "sd2" / "last.safetensors"), "pt") as file:
+        metadata = file.metadata()
+    assert metadata["ss_v2"] == "True" and metadata["modelspec.prediction_type"] == "v"
+    assert metadata["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora"
+    assert (tmp_path / "sd15" / "last.safetensors").is_file()
