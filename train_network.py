@@ -7,6 +7,7 @@ each concern it touches lives in one ``library/`` module.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import math
 import os
@@ -588,11 +589,19 @@ def seed_everything(seed: int) -> None:
 
 
 def tracker_names(args: argparse.Namespace) -> Optional[list[str]]:
+    """accelerate tracker names for ``--log_with``; a tracker whose package is missing is a UserError."""
     if args.log_with == "all":
-        return ["tensorboard", "wandb"]
-    if args.log_with:
-        return [args.log_with]
-    return ["tensorboard"] if args.logging_dir else None
+        names = ["tensorboard", "wandb"]
+    elif args.log_with:
+        names = [args.log_with]
+    else:
+        return ["tensorboard"] if args.logging_dir else None
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--log_with {args.log_with}: wandb is not installed (pip install wandb; WANDB_MODE=offline "
+                        f"logs without network), or use --log_with tensorboard")
+    if "tensorboard" in names and not args.logging_dir:
+        raise UserError(f"--log_with {args.log_with} needs --logging_dir DIR for the tensorboard event files")
+    return names
 
 
 def tracker_dir(args: argparse.Namespace) -> Optional[str]:

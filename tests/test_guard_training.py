@@ -202,3 +202,24 @@ def test_gradient_log_survives_sigterm(tiny_models, demo_dataset, tmp_path):
     assert len(rows) >= 1
     assert [int(row["Step"]) for row in rows] == list(range(1, len(rows) + 1))
     assert all(math.isfinite(float(row["Gradient Norm"])) for row in rows)
+
+
+class FailingTrainer(sdxl_train_network.SdxlNetworkTrainer):
+    """Raises inside the fifth optimizer step, like a crash in the middle of training."""
+
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
+        if lr_scheduler.last_epoch == 4:
+            raise RuntimeError("boom")
+        super().optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+
+
+def test_gradient_log_rows_survive_an_exception(tiny_models, demo_dataset, tmp_path):
+    out = tmp_path / "out"
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    with pytest.raises(RuntimeError, match="boom"):
+        train_network.main(FailingTrainer, sdxl_train_network.setup_parser,
+                           sdxl_args(tiny_models, demo_dataset, out, "--max_train_steps", "50", "--grad_norm_log"))
+    rows = read_log(out / "gradient_logs+last.txt")
+    assert [row["Step"] for row in rows] == ["1", "2", "3", "4"]  # buffered rows were flushed on the way out
+    assert not (out / "last.safetensors").exists()
