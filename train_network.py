@@ -169,6 +169,7 @@ class NetworkTrainer:
             model_config_dir=args.model_config_dir,
             tokenizer_cache_dir=args.tokenizer_cache_dir,
             vae_path=args.vae,
+            device=model_loading.load_device(args),
         )
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:

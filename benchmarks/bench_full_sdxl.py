@@ -45,7 +45,7 @@ RESIDUAL_OUTPUTS = ("out_layers.3.weight", "to_out.0.weight", "ff.net.2.weight",
 
 # The training process: phase timings via the trainer's hooks, memory sampled in a thread.
 CHILD = r"""
-import json, statistics, sys, threading, time
+import json, os, statistics, sys, threading, time
 sys.path.insert(0, {repo!r})
 
 def status():
@@ -75,7 +75,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 import sdxl_train_network
 trainer_class = sdxl_train_network.SdxlNetworkTrainer
-marks = {{"step_start": [], "step_end": [], "cpu_start": [], "cpu_end": []}}
+marks = {{"step_start": [], "step_end": [], "cpu_start": [], "cpu_end": [], "sys_start": [], "sys_end": []}}
 original_load, original_window = trainer_class.load_models, trainer_class.backward_window
 original_step, original_network = trainer_class.optimizer_step, trainer_class.create_network
 
@@ -92,12 +92,14 @@ def backward_window(self, *args, **kwargs):
     if len(marks["step_start"]) == len(marks["step_end"]):
         marks["step_start"].append(time.perf_counter())
         marks["cpu_start"].append(time.process_time())
+        marks["sys_start"].append(os.times().system)
     return original_window(self, *args, **kwargs)
 
 def optimizer_step(self, *args, **kwargs):
     result = original_step(self, *args, **kwargs)
     marks["step_end"].append(time.perf_counter())
     marks["cpu_end"].append(time.process_time())
+    marks["sys_end"].append(os.times().system)
     return result
 
 trainer_class.load_models, trainer_class.backward_window = load_models, backward_window
@@ -107,8 +109,9 @@ stop.set()
 final = status()
 steps = [end - start for start, end in zip(marks["step_start"], marks["step_end"])]
 cpu_steps = [end - start for start, end in zip(marks["cpu_start"], marks["cpu_end"])]
+sys_steps = [end - start for start, end in zip(marks["sys_start"], marks["sys_end"])]
 print("BENCH_RESULT " + json.dumps({{
-    "load_s": marks["load_s"], "steps_s": steps, "cpu_steps_s": cpu_steps, "vm_hwm": final["VmHWM"], "peaks": peaks,
+    "load_s": marks["load_s"], "steps_s": steps, "cpu_steps_s": cpu_steps, "sys_steps_s": sys_steps, "vm_hwm": final["VmHWM"], "peaks": peaks,
     "phase_peaks": phase_peaks,
 }}), flush=True)
 """
@@ -242,7 +245,8 @@ def main() -> None:
     peaks = measured["peaks"]
     print(f"process total {total_s:.0f} s; per-step seconds {[round(s, 2) for s in steps]}; per-step CPU "
           f"seconds (all threads; other load on the machine does not inflate them) "
-          f"{[round(s, 2) for s in measured['cpu_steps_s']]}")
+          f"{[round(s, 2) for s in measured['cpu_steps_s']]}, of which kernel (page faults, reclaim) "
+          f"{[round(s, 2) for s in measured['sys_steps_s']]}")
     print(f"peak RssAnon {peaks['RssAnon'] / gib:.2f} GiB, peak RssFile {peaks['RssFile'] / gib:.2f} GiB, "
           f"peak sampled anon+file {peaks['anon_plus_file'] / gib:.2f} GiB, VmHWM {measured['vm_hwm'] / gib:.2f} GiB")
     print("peak anon+file by phase (GiB): "

@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -78,4 +79,6 @@ def report_weights(rank: int, state: dict[str, torch.Tensor]) -> None:
     for key in sorted(state):
         digest.update(key.encode())
         digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
-    print(f"rank {rank} lora_sha256 {digest.hexdigest()}", flush=True)
+    # One write of a short line is atomic on a pipe, so the lines of several processes never interleave.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"\nrank {rank} lora_sha256 {digest.hexdigest()}\n".encode())

@@ -33,7 +33,7 @@ def launch(argv: list[str], processes: int, check: bool = True) -> subprocess.Co
 
 
 def rank_hashes(result: subprocess.CompletedProcess) -> dict[int, str]:
-    return {int(rank): digest for rank, digest in re.findall(r"rank (\d) lora_sha256 (\w+)", result.stdout)}
+    return {int(rank): digest for rank, digest in re.findall(r"rank (\d) lora_sha256 ([0-9a-f]{64})", result.stdout)}
 
 
 @pytest.fixture(scope="module")
