@@ -327,3 +327,17 @@ def test_build_clip_tokenizers_from_pypi_wheel(tmp_path):
         assert tokenizer("a photo of a cat").input_ids == bct.CHECK_IDS
     assert tokenizers[1]("hi!!").input_ids == tokenizers[0]("hi!!").input_ids
     assert tokenizers[1].pad_token_id == 0 and tokenizers[0].pad_token_id == 49407
+
+
+def test_lowram_and_highvram_parse_and_keep_cpu_loading_on_cpu():
+    import argparse
+
+    from library import model_loading
+
+    parser = argparse.ArgumentParser()
+    model_loading.add_arguments(parser)
+    args = parser.parse_args(["--lowram", "--highvram"])
+    assert args.lowram and args.highvram
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert torch.device(model_loading.load_device(args)).type == expected
+    assert torch.device(model_loading.load_device(parser.parse_args([]))).type == "cpu"
