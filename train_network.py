@@ -27,7 +27,7 @@ from tqdm import tqdm
 from library import (
     config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise, optimizers,
 )
-from library import sharding, text_encoding, tracking, train_state
+from library import sampling, sharding, text_encoding, tracking, train_state
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
@@ -103,6 +103,7 @@ def setup_parser() -> argparse.ArgumentParser:
     loss_scaling.add_arguments(parser)
     train_state.add_arguments(parser)
     fault_injection.add_arguments(parser)
+    sampling.add_arguments(parser)
     return parser
 
 
@@ -136,6 +137,7 @@ def validate_arguments(args: argparse.Namespace) -> None:
     optimizers.validate_args(args)
     loss_scaling.validate_arguments(args)
     losses.validate_arguments(args)
+    sampling.validate_arguments(args)
     for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
@@ -321,6 +323,8 @@ class NetworkTrainer:
         stop = StopRequest(on_force=flush_logs)
         avr_loss = float("nan")
         try:
+            sampling.sample_images(args, accelerator, models, network, device, when="first",
+                                   step=progress_state.global_step)
             while progress_state.global_step < args.max_train_steps:
                 epoch = progress_state.epoch
                 dataset.set_epoch(epoch)
@@ -361,6 +365,7 @@ class NetworkTrainer:
                         jsonl.append(step, logs)
                     if accelerator.is_main_process:
                         writer.on_step(network, step, epoch)
+                        sampling.sample_images(args, accelerator, models, network, device, when="step", step=step)
                         if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
                             flush_logs()
                             save_state(train_state.step_state_name(args.output_name, step))
@@ -373,6 +378,8 @@ class NetworkTrainer:
                     if accelerator.is_main_process:
                         writer.on_epoch_end(network, progress_state.global_step, epoch,
                                             is_last_epoch=epoch == num_epochs)
+                        sampling.sample_images(args, accelerator, models, network, device, when="epoch",
+                                               step=progress_state.global_step, epoch=epoch)
                         every = args.save_every_n_epochs
                         if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
                             flush_logs()

@@ -437,3 +437,42 @@ def create_network_from_weights(
         modules_dim=modules_dim,
         modules_alpha=modules_alpha,
     )
+
+
+# --------------------------------------------------------------------------- offline tools
+# Shared by networks/check_lora_weights.py, resize_lora.py and merge_lora.py.
+
+
+def lora_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group a kohya LoRA state dict by module: ``{lora_name: {"down", "up", "alpha"?}}`` in file order.
+
+    Raises ``UserError`` naming the module when a down or up weight is missing.
+    """
+    kinds = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in weights.items():
+        name, _, kind = key.partition(".")
+        if kind in kinds:
+            modules.setdefault(name, {})[kinds[kind]] = value
+    for name, parts in modules.items():
+        if "down" not in parts or "up" not in parts:
+            missing = "lora_down.weight" if "down" not in parts else "lora_up.weight"
+            raise UserError(f"LoRA module {name} has no {missing}; the file is incomplete or not a kohya LoRA")
+    return modules
+
+
+def module_scale(parts: Mapping[str, torch.Tensor]) -> float:
+    """alpha / rank of one module (alpha defaults to the rank, as in kohya)."""
+    rank = parts["down"].shape[0]
+    alpha = float(parts["alpha"]) if "alpha" in parts else float(rank)
+    return alpha / rank
+
+
+def lora_delta(parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight change ``up @ down * alpha / rank`` in the wrapped module's weight shape
+    (``(out, in)`` for Linear, ``(out, in, kh, kw)`` for Conv2d), computed in ``dtype``."""
+    down, up = parts["down"].to(dtype), parts["up"].to(dtype)
+    delta = up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)
+    if down.dim() == 4:
+        delta = delta.reshape(up.shape[0], *down.shape[1:])
+    return delta * module_scale(parts)

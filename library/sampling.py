@@ -1,0 +1,316 @@
+"""Sample images during training with the LoRA being trained (kohya's ``--sample_*`` options).
+
+Prompt files (``--sample_prompts``), as in kohya-ss sd-scripts:
+
+* ``.txt``: one prompt per line (empty lines and lines starting with ``#`` ignored), options
+  after `` --``: ``--n`` negative prompt, ``--w``/``--h`` size (px, rounded down to a multiple
+  of 8, at least 64; default 512), ``--d`` seed (default: random), ``--s`` steps (1..1000,
+  default 30), ``--l`` CFG scale (default 7.5), ``--ss`` sampler for this prompt.
+* ``.toml``: a ``[prompt]`` table of defaults with ``[[prompt.subset]]`` entries; keys
+  ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``,
+  ``scale``, ``sample_sampler``.
+* ``.json``: a list of such dicts, or of prompt lines.
+
+The file is re-read at every sampling point, so it can be edited during a run.
+
+Images go to ``<output_dir>/sample/`` as
+``<output_name>_<step:06d>_<prompt index:02d>_<YYYYmmddHHMMSS>[_<seed>].png`` (epoch sampling:
+``<output_name>_e<epoch:06d>_...``), kohya's names.
+
+Sampling is invisible to training: the pipeline is built from the in-memory components (the
+LoRA is applied to them in place), every module's train/eval mode and the torch (CPU and
+CUDA), numpy and Python RNG states are restored afterwards, and per-prompt noise comes from a
+private generator. Only the main process samples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from library.errors import UserError
+
+SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
+            "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")
+SAMPLE_FOLDER = "sample"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register kohya's sample-image options (one argument group)."""
+    group = parser.add_argument_group("sample images", "Generate images with the LoRA being trained.")
+    group.add_argument("--sample_prompts", type=str, default=None, metavar="FILE",
+                       help="prompt file (.txt with --n --w --h --d --s --l options per line, .toml or .json); "
+                            "keeps the VAE and text encoders loaded. Default: no sampling")
+    group.add_argument("--sample_every_n_steps", type=int, default=None, metavar="N",
+                       help="sample every N optimizer steps (ignored with --sample_every_n_epochs). Default: never")
+    group.add_argument("--sample_every_n_epochs", type=int, default=None, metavar="N",
+                       help="sample every N epochs (replaces --sample_every_n_steps). Default: never")
+    group.add_argument("--sample_at_first", action="store_true",
+                       help="also sample before the first step. Default: off")
+    group.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLERS,
+                       help="scheduler for sampling (a line's --ss overrides it). Default: ddim")
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    """One image to generate; ``index`` is the prompt's position in the file (for the file name)."""
+
+    index: int
+    prompt: str
+    negative_prompt: Optional[str] = None
+    width: int = 512
+    height: int = 512
+    seed: Optional[int] = None
+    sample_steps: int = 30
+    scale: float = 7.5
+    sampler: Optional[str] = None
+
+
+_LINE_OPTIONS = {  # option letter -> (field, parser)
+    "n": ("negative_prompt", str),
+    "w": ("width", int),
+    "h": ("height", int),
+    "d": ("seed", int),
+    "s": ("sample_steps", int),
+    "l": ("scale", float),
+    "ss": ("sampler", str),
+}
+_DICT_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width": "width", "height": "height",
+              "seed": "seed", "sample_steps": "sample_steps", "scale": "scale", "sample_sampler": "sampler"}
+
+
+def parse_prompt_line(line: str, index: int, source: str = "prompt") -> SamplePrompt:
+    """A kohya prompt line: ``text --n negative --w 1024 --h 1024 --d 42 --s 28 --l 7``."""
+    text, *options = line.split(" --")
+    values: dict[str, Any] = {"prompt": text.strip()}
+    for option in options:
+        match = re.match(r"(ss|[nwhdsl])\s+(.*)$", option.strip(), re.IGNORECASE | re.DOTALL)
+        if not match:
+            continue  # kohya ignores options it does not know (--g, --cn, ...)
+        field, kind = _LINE_OPTIONS[match.group(1).lower()]
+        try:
+            values[field] = kind(match.group(2).strip())
+        except ValueError:
+            raise UserError(f"--sample_prompts {source}: --{match.group(1)} {match.group(2).strip()!r} is not "
+                            f"a{'n integer' if kind is int else ' number'}") from None
+    return _checked(SamplePrompt(index=index, **values), source)
+
+
+def _from_dict(entry: dict[str, Any], index: int, source: str) -> SamplePrompt:
+    values = {}
+    for key, value in entry.items():
+        if key in _DICT_KEYS:
+            values[_DICT_KEYS[key]] = value
+    if "prompt" not in values:
+        raise UserError(f"--sample_prompts {source}: entry {index} has no 'prompt'")
+    try:
+        prompt = SamplePrompt(index=index, **values)
+        prompt = replace(prompt, width=int(prompt.width), height=int(prompt.height),
+                         sample_steps=int(prompt.sample_steps), scale=float(prompt.scale),
+                         seed=None if prompt.seed is None else int(prompt.seed))
+    except (TypeError, ValueError) as error:
+        raise UserError(f"--sample_prompts {source}: entry {index}: {error}") from None
+    return _checked(prompt, source)
+
+
+def _checked(prompt: SamplePrompt, source: str) -> SamplePrompt:
+    if prompt.sampler is not None and prompt.sampler.lower() not in SAMPLERS:
+        raise UserError(f"--sample_prompts {source}: prompt {prompt.index}: sampler {prompt.sampler!r} is unknown; "
+                        f"valid: {', '.join(SAMPLERS)}")
+    return replace(prompt,
+                   width=max(64, prompt.width - prompt.width % 8),
+                   height=max(64, prompt.height - prompt.height % 8),
+                   sample_steps=max(1, min(1000, prompt.sample_steps)),
+                   sampler=prompt.sampler.lower() if prompt.sampler else None)
+
+
+def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
+    """The prompts of a ``.txt``, ``.toml`` or ``.json`` prompt file; ``UserError`` when unusable."""
+    path = Path(path)
+    source = str(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".txt", ".toml", ".json"):
+        raise UserError(f"--sample_prompts {path}: use a .txt, .toml or .json prompt file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--sample_prompts {path}: cannot read ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--sample_prompts {path}: not UTF-8 text") from None
+    if suffix == ".txt":
+        lines = [line.strip() for line in text.splitlines()]
+        prompts = [parse_prompt_line(line, index, source)
+                   for index, line in enumerate(line for line in lines if line and not line.startswith("#"))]
+    elif suffix == ".toml":
+        import toml
+
+        try:
+            data = toml.loads(text)
+            table = dict(data["prompt"])
+            subsets = table.pop("subset")
+        except (toml.TomlDecodeError, KeyError, TypeError) as error:
+            raise UserError(f"--sample_prompts {path}: expected a [prompt] table with [[prompt.subset]] entries "
+                            f"({error})") from None
+        prompts = [_from_dict({**table, **subset}, index, source) for index, subset in enumerate(subsets)]
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"--sample_prompts {path}: invalid JSON ({error})") from None
+        if not isinstance(data, list):
+            raise UserError(f"--sample_prompts {path}: expected a JSON list of prompts")
+        prompts = [parse_prompt_line(entry, index, source) if isinstance(entry, str)
+                   else _from_dict(entry, index, source) for index, entry in enumerate(data)]
+    if not prompts:
+        raise UserError(f"--sample_prompts {path}: no prompts in the file")
+    return prompts
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    for flag in ("sample_every_n_steps", "sample_every_n_epochs"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} must be a positive integer (got {value})")
+    if getattr(args, "sample_prompts", None):
+        prompts = load_prompts(args.sample_prompts)
+        for sampler in {args.sample_sampler, *(prompt.sampler for prompt in prompts if prompt.sampler)}:
+            make_scheduler(sampler, {})  # an unusable sampler fails now, not at the first sample point
+
+
+def is_sample_point(args: argparse.Namespace, when: str, step: int, epoch: Optional[int] = None) -> bool:
+    """kohya's schedule. ``when``: "first" (before the first step), "step" (after optimizer step
+    ``step``) or "epoch" (after epoch ``epoch``, 1-based)."""
+    if not getattr(args, "sample_prompts", None):
+        return False
+    if when == "first":
+        return bool(args.sample_at_first)
+    if when == "epoch":
+        every = args.sample_every_n_epochs
+        return bool(every) and epoch is not None and epoch % every == 0
+    every = args.sample_every_n_steps
+    return args.sample_every_n_epochs is None and bool(every) and step % every == 0
+
+
+def make_scheduler(sampler: str, scheduler_config: dict[str, Any], v_parameterization: bool = False):
+    """The diffusers scheduler for one of kohya's sampler names, on the model's own noise schedule."""
+    import diffusers
+
+    classes = {
+        "ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler",
+        "euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
+        "heun": "HeunDiscreteScheduler", "dpm_2": "KDPM2DiscreteScheduler",
+        "dpm_2_a": "KDPM2AncestralDiscreteScheduler", "dpmsolver": "DPMSolverMultistepScheduler",
+        "dpmsolver++": "DPMSolverMultistepScheduler", "dpmsingle": "DPMSolverSinglestepScheduler",
+    }
+    name = sampler[2:] if sampler.startswith("k_") else sampler
+    if name not in classes:
+        raise UserError(f"--sample_sampler {sampler!r} is unknown; valid: {', '.join(SAMPLERS)}")
+    extra: dict[str, Any] = {}
+    if name in ("dpmsolver", "dpmsolver++"):
+        extra["algorithm_type"] = name
+        if name == "dpmsolver":
+            extra["final_sigmas_type"] = "sigma_min"  # diffusers refuses "zero" for the non-++ solver
+    if v_parameterization:
+        extra["prediction_type"] = "v_prediction"
+    config = {key: value for key, value in scheduler_config.items() if not key.startswith("_")}
+    try:
+        return getattr(diffusers, classes[name]).from_config({**config, **extra})
+    except ImportError as error:  # lms / k_lms need scipy, which is not a requirement
+        missing = "scipy" if "scipy" in str(error) else str(error).strip().splitlines()[0]
+        raise UserError(f"sampler {sampler!r} needs {missing}: pip install {missing}, or choose another "
+                        f"--sample_sampler / --ss") from None
+
+
+def image_file_name(output_name: Optional[str], prompt: SamplePrompt, step: int, epoch: Optional[int],
+                    timestamp: Optional[float] = None) -> str:
+    """kohya's sample file name."""
+    counter = f"e{epoch:06d}" if epoch is not None else f"{step:06d}"
+    stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(timestamp))
+    seed = "" if prompt.seed is None else f"_{prompt.seed}"
+    prefix = f"{output_name}_" if output_name else ""
+    return f"{prefix}{counter}_{prompt.index:02d}_{stamp}{seed}.png"
+
+
+@contextmanager
+def preserved_training_state(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Put ``modules`` in eval mode inside the block; restore every submodule's mode and all RNG states after."""
+    from library.train_state import rng_state, set_rng_state
+
+    saved_rng = rng_state()
+    modes = [(module, module.training) for root in modules for module in root.modules()]
+    try:
+        for root in modules:
+            root.eval()
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        set_rng_state(saved_rng)
+
+
+def build_pipeline(models, scheduler, clip_skip: Optional[int] = None):
+    """A diffusers pipeline over the in-memory components of ``models`` (kind from ``models.kind``)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if models.vae is None or not models.text_encoders:
+        raise UserError("sampling needs the VAE and text encoders, which were freed after caching")
+    if models.kind == "sdxl":
+        pipeline = StableDiffusionXLPipeline(
+            vae=models.vae, text_encoder=models.text_encoders[0], text_encoder_2=models.text_encoders[1],
+            tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet, scheduler=scheduler,
+            add_watermarker=False)
+    else:
+        pipeline = StableDiffusionPipeline(
+            vae=models.vae, text_encoder=models.text_encoders[0], tokenizer=models.tokenizers[0], unet=models.unet,
+            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def sample_images(args: argparse.Namespace, accelerator, models, network: torch.nn.Module, device: torch.device,
+                  *, when: str, step: int, epoch: Optional[int] = None) -> list[Path]:
+    """Generate the ``--sample_prompts`` images if ``(when, step, epoch)`` is a sample point (see
+    :func:`is_sample_point`); returns the written files. ``network`` is already applied to
+    ``models``. Training state (weights, modes, RNG) is unchanged afterwards."""
+    if when == "first":  # the trainer's first call: report a bad prompt file before any step
+        validate_arguments(args)
+    if not is_sample_point(args, when, step, epoch) or not accelerator.is_main_process:
+        return []
+    prompts = load_prompts(args.sample_prompts)
+    folder = Path(args.output_dir) / SAMPLE_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    components = [models.unet, models.vae, *models.text_encoders, network]
+    mixed = getattr(args, "mixed_precision", "no")
+    autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed)
+    written = []
+    with preserved_training_state(components), torch.no_grad():
+        pipeline = build_pipeline(models, make_scheduler(args.sample_sampler, models.scheduler_config,
+                                                         getattr(args, "v_parameterization", False)))
+        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        for prompt in prompts:
+            pipeline.scheduler = make_scheduler(prompt.sampler or args.sample_sampler, models.scheduler_config,
+                                                getattr(args, "v_parameterization", False))
+            seed = prompt.seed if prompt.seed is not None else random.SystemRandom().randrange(2**63)
+            generator = torch.Generator(device=device).manual_seed(seed)
+            call: dict[str, Any] = dict(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt,
+                                        width=prompt.width, height=prompt.height,
+                                        num_inference_steps=prompt.sample_steps, guidance_scale=prompt.scale,
+                                        generator=generator)
+            if models.kind != "sdxl" and getattr(args, "clip_skip", None):
+                call["clip_skip"] = args.clip_skip - 1  # kohya counts the last layer as 1, diffusers as 0
+            with autocast:
+                image = pipeline(**call).images[0]
+            path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)
+            image.save(path)
+            written.append(path)
+    print(f"\nsampled {len(written)} image(s) into {folder} at step {step}", flush=True)
+    return written

@@ -1,0 +1,194 @@
+"""Merge LoRAs into a checkpoint, or into one LoRA (kohya's flag names; SDXL and SD 1.x/2.x).
+
+    # into a model: single file (or diffusers folder) in, original-layout single file out
+    python networks/merge_lora.py --sd_model base.safetensors --save_to merged.safetensors \
+        --models a.safetensors b.safetensors --ratios 1.0 0.5 [--save_precision fp16]
+    # LoRAs into one LoRA (ranks concatenated)
+    python networks/merge_lora.py --save_to ab.safetensors --models a.safetensors b.safetensors --ratios 1 0.5
+
+Into a model: the base is loaded with ``library.model_loading.load_models`` (SDXL, SD2 or SD1
+detected from the file's keys; ``--v2``/``--sdxl`` for diffusers folders), each LoRA module is
+matched to its diffusers module by the trainers' own key naming (``networks.lora``), and
+``ratio * up @ down * alpha / rank`` is added to that module's weight in float32; the result is
+written with ``save_single_file`` in the original layout. Every key of every LoRA must match a
+module of the model (otherwise: an error naming the key).
+
+LoRAs into one LoRA: the down weights are stacked and the up weights concatenated per module
+(kohya's ``--concat``), each pair scaled so the merged module's delta is exactly the sum of the
+``ratio``-weighted deltas; the merged rank is the sum of the ranks, alpha equals the rank
+(scale 1). Modules present in only some LoRAs are kept.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+from typing import Mapping, Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from library import checkpoint_keys, model_loading  # noqa: E402
+from library.errors import UserError, exit_on_user_error  # noqa: E402
+from library.lora_files import SAVE_DTYPES  # noqa: E402
+from library.lora_metadata import addnet_hashes  # noqa: E402
+from networks.lora import (create_network_from_weights, lora_delta, lora_modules, module_scale,  # noqa: E402
+                           read_lora_file, save_lora_file)
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merge_lora.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--sd_model", default=None,
+                        help="base model (.safetensors/.ckpt single file or diffusers folder); without it the LoRAs "
+                             "are merged into one LoRA")
+    parser.add_argument("--save_to", required=True, help="output .safetensors file")
+    parser.add_argument("--models", nargs="+", required=True, metavar="LORA", help="LoRA files to merge")
+    parser.add_argument("--ratios", type=float, nargs="*", default=None,
+                        help="one multiplier per LoRA. Default: 1.0 each")
+    parser.add_argument("--save_precision", default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="dtype of the saved weights. Default: float")
+    parser.add_argument("--precision", default="float", choices=["float", "fp16", "bf16"],
+                        help="accepted for kohya compatibility; merging is always computed in float32")
+    parser.add_argument("--v2", action="store_true", help="a diffusers-folder --sd_model is SD 2.x")
+    parser.add_argument("--sdxl", action="store_true", help="a diffusers-folder --sd_model is SDXL")
+    parser.add_argument("--model_config_dir", default=None,
+                        help="architecture configs of a single-file --sd_model (see the trainers). "
+                             "Default: the shipped config of the detected kind")
+    parser.add_argument("--tokenizer_cache_dir", default=None,
+                        help="kohya tokenizer cache (loading a model needs its tokenizers). Default: none")
+    parser.add_argument("--concat", action="store_true",
+                        help="accepted for kohya compatibility; LoRAs are always merged by concatenating ranks")
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="LoRA output: write only the minimal ss_* keys, no modelspec/training metadata")
+    return parser
+
+
+def resolve_ratios(models: Sequence[str], ratios: Optional[Sequence[float]]) -> list[float]:
+    if not ratios:
+        return [1.0] * len(models)
+    if len(ratios) != len(models):
+        raise UserError(f"--ratios: {len(ratios)} value(s) for {len(models)} --models; give one ratio per LoRA")
+    return [float(ratio) for ratio in ratios]
+
+
+def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind:
+    """SDXL/SD2/SD1 of ``--sd_model``: from the single file's keys, or the flags for a folder."""
+    if path.is_dir():
+        if args.sdxl or (path / "text_encoder_2").is_dir():
+            return "sdxl"
+        return "sd2" if args.v2 else "sd1"
+    if not path.is_file():
+        raise UserError(f"--sd_model {path} does not exist")
+    with model_loading.CheckpointReader(path, "--sd_model") as reader:
+        kind = model_loading.detect_checkpoint_kind(reader.keys())
+    if kind is None:
+        raise UserError(f"--sd_model {path}: not a Stable Diffusion checkpoint with text encoders "
+                        f"(no SD1/SD2/SDXL text encoder keys)")
+    return kind
+
+
+def merge_into_models(models: model_loading.StableDiffusionModels, loras: Sequence[tuple[str, Mapping]],
+                      ratios: Sequence[float]) -> int:
+    """Add each LoRA's ratio-weighted delta to the matching weights of ``models`` in place.
+    Returns the number of modules changed. UserError when a LoRA key matches no module."""
+    unet_names = checkpoint_keys.unet_module_name_map(models.unet.config) if models.is_sdxl else None
+    changed = 0
+    for (path, weights), ratio in zip(loras, ratios):
+        modules = lora_modules(weights)
+        network = create_network_from_weights(1.0, weights, models.text_encoders, models.unet, unet_names)
+        found = {lora.lora_name: lora for lora in network.text_encoder_loras + network.unet_loras}
+        unmatched = sorted(set(modules) - set(found))
+        if unmatched:
+            raise UserError(f"--models {path}: {len(unmatched)} LoRA module(s) match nothing in --sd_model "
+                            f"(first: {unmatched[0]}); is it a LoRA for this kind of model ({models.kind})?")
+        with torch.no_grad():
+            for name, parts in modules.items():
+                target = found[name]._org_module[0]
+                delta = lora_delta(parts, torch.float32)
+                if delta.shape != target.weight.shape:
+                    raise UserError(f"--models {path}: {name} gives a {tuple(delta.shape)} change for a "
+                                    f"{tuple(target.weight.shape)} weight")
+                target.weight += (ratio * delta).to(target.weight.dtype)
+                changed += 1
+    return changed
+
+
+def merge_loras(loras: Sequence[tuple[str, Mapping[str, torch.Tensor]]], ratios: Sequence[float]
+                ) -> dict[str, torch.Tensor]:
+    """One LoRA whose every module's delta is ``sum(ratio_i * delta_i)`` (ranks concatenated, alpha = rank)."""
+    pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (path, weights), ratio in zip(loras, ratios):
+        for name, parts in lora_modules(weights).items():
+            factor = ratio * module_scale(parts)
+            root = math.sqrt(abs(factor))
+            down = parts["down"].float() * (root if factor >= 0 else -root)
+            up = parts["up"].float() * root
+            if name in pieces and pieces[name][0][0].shape[1:] != down.shape[1:]:
+                raise UserError(f"--models {path}: {name} has input shape {tuple(down.shape[1:])}, an earlier LoRA "
+                                f"{tuple(pieces[name][0][0].shape[1:])}: the LoRAs are for different models")
+            pieces.setdefault(name, []).append((down, up))
+    merged: dict[str, torch.Tensor] = {}
+    for name, parts in pieces.items():
+        down = torch.cat([down for down, _ in parts], dim=0)
+        up = torch.cat([up for _, up in parts], dim=1)
+        merged[f"{name}.lora_down.weight"] = down.contiguous()
+        merged[f"{name}.lora_up.weight"] = up.contiguous()
+        merged[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))
+    return merged
+
+
+def lora_output_metadata(paths: Sequence[str], ratios: Sequence[float], merged: Mapping[str, torch.Tensor],
+                         no_metadata: bool) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(paths[0], framework="pt", device="cpu") as file:
+        first = dict(file.metadata() or {})
+    ranks = sorted({int(value.shape[0]) for key, value in merged.items() if key.endswith(".lora_down.weight")})
+    metadata = {key: value for key, value in first.items()
+                if key in ("ss_base_model_version", "ss_v2", "ss_network_module")}
+    metadata.setdefault("ss_network_module", "networks.lora")
+    metadata["ss_network_dim"] = str(ranks[0]) if len(ranks) == 1 else "Dynamic"
+    metadata["ss_network_alpha"] = metadata["ss_network_dim"]
+    metadata["ss_training_comment"] = "merged: " + json.dumps(
+        [{"model": Path(path).name, "ratio": ratio} for path, ratio in zip(paths, ratios)])
+    if not no_metadata:
+        metadata.update({key: value for key, value in first.items() if key.startswith("modelspec.")})
+        metadata.update(addnet_hashes(merged, metadata))
+    return metadata
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = setup_parser().parse_args(argv)
+    ratios = resolve_ratios(args.models, args.ratios)
+    if not args.save_to.endswith(".safetensors"):
+        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
+    loras = [(path, read_lora_file(path)) for path in args.models]
+    save_dtype = SAVE_DTYPES[args.save_precision]
+    if args.sd_model is None:
+        merged = merge_loras(loras, ratios)
+        metadata = lora_output_metadata(args.models, ratios, merged, args.no_metadata)
+        if save_dtype is not None:
+            merged = {key: value.to(save_dtype) for key, value in merged.items()}
+        save_lora_file(merged, args.save_to, metadata)
+        print(f"saved {args.save_to}: {len(merged) // 3} modules from {len(loras)} LoRAs")
+        return
+    sd_model = Path(args.sd_model)
+    kind = detect_kind(sd_model, args)
+    models = model_loading.load_models(sd_model, sdxl=kind == "sdxl", v2=kind == "sd2",
+                                       model_config_dir=args.model_config_dir,
+                                       tokenizer_cache_dir=args.tokenizer_cache_dir)
+    changed = merge_into_models(models, loras, ratios)
+    bad = next((name for name, tensor in model_loading.iter_model_tensors(models)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
+    if bad is not None:
+        raise UserError(f"the merged model holds NaN/Inf in {bad}; check --models/--ratios")
+    model_loading.save_single_file(models, args.save_to, dtype=save_dtype)
+    print(f"saved {args.save_to}: {changed} module weights changed ({kind}, {len(loras)} LoRAs)")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

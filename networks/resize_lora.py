@@ -1,0 +1,203 @@
+"""Reduce the rank of a LoRA by SVD of each module's weight change (kohya's flag names).
+
+    python networks/resize_lora.py --model IN.safetensors --save_to OUT.safetensors --new_rank 4
+        [--new_conv_rank R] [--dynamic_method sv_ratio|sv_fro|sv_cumulative --dynamic_param X]
+        [--save_precision float|fp16|bf16] [--verbose]
+
+Each module's delta ``D = up @ down * alpha / rank`` (3x3 conv kernels flattened) is
+decomposed as ``U S V^T``; the new module keeps the first ``r`` singular triplets, so its
+delta is the best rank-``r`` approximation of ``D`` (Eckart-Young): the Frobenius error is
+``sqrt(sum of the discarded S^2)``. The new alpha keeps the old scale (``alpha/rank``), and
+``sqrt(S)`` is split evenly between up and down. A rank at or above the module's own
+reproduces its delta.
+
+Rank per module: ``--new_rank`` (``--new_conv_rank`` for 3x3 convs, default ``--new_rank``),
+or with ``--dynamic_method`` the smallest rank meeting ``--dynamic_param`` (capped at
+``--new_rank``):
+
+* ``sv_ratio X``: keep the singular values ``>= S[0] / X``;
+* ``sv_fro X``: retained Frobenius fraction ``sqrt(sum S_r^2 / sum S^2) >= X`` (0 < X <= 1);
+* ``sv_cumulative X``: retained sum ``sum S_r / sum S >= X`` (0 < X <= 1).
+
+(kohya's own script keeps one more singular value than these definitions in most cases.)
+A line per module reports the new rank and the retained Frobenius fraction (energy).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Mapping, Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from library.errors import UserError, exit_on_user_error  # noqa: E402
+from library.lora_files import SAVE_DTYPES  # noqa: E402
+from library.lora_metadata import addnet_hashes  # noqa: E402
+from networks.lora import lora_delta, lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
+
+MIN_SINGULAR_VALUE = 1e-6
+"""A module whose largest singular value is below this is all zeros: it is written at rank 1."""
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """One module's outcome: ranks before/after and the retained Frobenius fraction of its delta."""
+
+    name: str
+    old_rank: int
+    new_rank: int
+    fro_retained: float
+
+
+def choose_rank(singular_values: torch.Tensor, max_rank: int, method: Optional[str], param: Optional[float]) -> int:
+    """The kept rank for descending ``singular_values`` (at least 1, at most ``max_rank`` and their count)."""
+    values = singular_values.double()
+    available = len(values)
+    if method is None or float(values[0]) <= MIN_SINGULAR_VALUE:
+        rank = max_rank if float(values[0]) > MIN_SINGULAR_VALUE else 1
+    elif method == "sv_ratio":
+        rank = int((values >= values[0] / param).sum())
+    else:
+        weights = values.pow(2) if method == "sv_fro" else values
+        target = param ** 2 if method == "sv_fro" else param
+        fraction = torch.cumsum(weights, 0) / weights.sum()
+        rank = int(torch.searchsorted(fraction, torch.tensor([target - 1e-12], dtype=torch.float64))[0]) + 1
+    return max(1, min(rank, max_rank, available))
+
+
+def resize_module(parts: Mapping[str, torch.Tensor], max_rank: int, method: Optional[str], param: Optional[float]
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """``({"down", "up", "alpha"}, fro_retained)`` of the resized module (float32)."""
+    down = parts["down"]
+    delta = lora_delta(parts, torch.float64)
+    matrix = delta.reshape(delta.shape[0], -1)
+    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    rank = choose_rank(s, max_rank, method, param)
+    total = float(s.pow(2).sum())
+    fro_retained = math.sqrt(float(s[:rank].pow(2).sum()) / total) if total > 0 else 1.0
+    scale = module_scale(parts)  # kept: the new alpha is scale * new rank
+    root = torch.sqrt(s[:rank] / scale)
+    new_up = u[:, :rank] * root
+    new_down = root[:, None] * vh[:rank]
+    if down.dim() == 4:
+        new_down = new_down.reshape(rank, *down.shape[1:])
+        new_up = new_up.reshape(*new_up.shape, 1, 1)
+    resized = {"down": new_down.float().contiguous(), "up": new_up.float().contiguous(),
+               "alpha": torch.tensor(scale * rank, dtype=torch.float32)}
+    return resized, fro_retained
+
+
+def resize_weights(weights: Mapping[str, torch.Tensor], new_rank: int, *, new_conv_rank: Optional[int] = None,
+                   dynamic_method: Optional[str] = None, dynamic_param: Optional[float] = None,
+                   report=None) -> tuple[dict[str, torch.Tensor], list[ResizeResult]]:
+    """Resize every module of a kohya LoRA state dict; keys other than LoRA modules are kept.
+    ``report`` (optional) receives each :class:`ResizeResult` as it is computed."""
+    resized: dict[str, torch.Tensor] = {}
+    results = []
+    modules = lora_modules(weights)
+    for name, parts in modules.items():
+        is_conv3x3 = parts["down"].dim() == 4 and tuple(parts["down"].shape[2:]) != (1, 1)
+        max_rank = new_conv_rank if is_conv3x3 and new_conv_rank is not None else new_rank
+        max_rank = min(max_rank, parts["down"].shape[0])  # the delta has no more than the old rank
+        new_parts, fro_retained = resize_module(parts, max_rank, dynamic_method, dynamic_param)
+        resized[f"{name}.lora_down.weight"] = new_parts["down"]
+        resized[f"{name}.lora_up.weight"] = new_parts["up"]
+        resized[f"{name}.alpha"] = new_parts["alpha"]
+        result = ResizeResult(name, parts["down"].shape[0], new_parts["down"].shape[0], fro_retained)
+        results.append(result)
+        if report is not None:
+            report(result)
+    for key, value in weights.items():
+        if key.partition(".")[0] not in modules:
+            resized[key] = value
+    return resized, results
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    with safe_open(path, framework="pt", device="cpu") as file:
+        return dict(file.metadata() or {})
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="resize_lora.py", description="Reduce a LoRA's rank by SVD.")
+    parser.add_argument("--model", required=True, metavar="IN", help="LoRA .safetensors file to resize")
+    parser.add_argument("--save_to", required=True, metavar="OUT", help="where to write the resized LoRA (.safetensors)")
+    parser.add_argument("--new_rank", type=int, default=4, help="rank of the output LoRA (maximum rank with "
+                        "--dynamic_method). Default: 4")
+    parser.add_argument("--new_conv_rank", type=int, default=None,
+                        help="rank for 3x3 conv modules. Default: --new_rank")
+    parser.add_argument("--save_precision", default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="dtype of the saved weights. Default: float")
+    parser.add_argument("--dynamic_method", default=None, choices=[None, "sv_ratio", "sv_fro", "sv_cumulative"],
+                        help="choose each module's rank from its singular values (see the module docstring); "
+                             "--new_rank is the upper limit. Default: fixed rank")
+    parser.add_argument("--dynamic_param", type=float, default=None,
+                        help="target of --dynamic_method: a ratio > 1 for sv_ratio, a fraction in (0, 1] for "
+                             "sv_fro / sv_cumulative")
+    parser.add_argument("--device", default=None, help="accepted for kohya compatibility; the SVD runs on the CPU")
+    parser.add_argument("--verbose", action="store_true", help="accepted for kohya compatibility (per-module lines "
+                        "are always printed)")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    for flag in ("new_rank", "new_conv_rank"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} must be a rank >= 1 (got {value})")
+    if args.dynamic_method is not None:
+        param = args.dynamic_param
+        if param is None:
+            raise UserError(f"--dynamic_method {args.dynamic_method} needs --dynamic_param")
+        if args.dynamic_method == "sv_ratio" and not param > 1:
+            raise UserError(f"--dynamic_param {param}: sv_ratio needs a ratio > 1 (e.g. 8)")
+        if args.dynamic_method != "sv_ratio" and not 0 < param <= 1:
+            raise UserError(f"--dynamic_param {param}: {args.dynamic_method} needs a fraction in (0, 1] (e.g. 0.9)")
+    elif args.dynamic_param is not None:
+        raise UserError("--dynamic_param has no effect without --dynamic_method")
+    if not args.save_to.endswith(".safetensors"):
+        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = setup_parser().parse_args(argv)
+    validate(args)
+    weights = read_lora_file(args.model)
+    if not lora_modules(weights):
+        raise UserError(f"--model {args.model}: no LoRA modules found")
+
+    def report(result: ResizeResult) -> None:
+        print(f"{result.name}: rank {result.old_rank} -> {result.new_rank}, "
+              f"retained energy (Frobenius) {result.fro_retained:.4%}", flush=True)
+
+    resized, results = resize_weights(weights, args.new_rank, new_conv_rank=args.new_conv_rank,
+                                      dynamic_method=args.dynamic_method, dynamic_param=args.dynamic_param,
+                                      report=report)
+    dtype = SAVE_DTYPES[args.save_precision] or torch.float32
+    resized = {key: value.to(dtype) if value.is_floating_point() else value for key, value in resized.items()}
+    metadata = read_metadata(args.model)
+    comment = (f"dynamic resize with {args.dynamic_method}: {args.dynamic_param} from " if args.dynamic_method
+               else f"resized to rank {args.new_rank} from ")
+    old_dim = metadata.get("ss_network_dim", "?")
+    metadata["ss_training_comment"] = f"{comment}{old_dim}; {metadata.get('ss_training_comment', '')}".rstrip("; ")
+    metadata["ss_network_dim"] = "Dynamic" if args.dynamic_method else str(args.new_rank)
+    metadata["ss_network_alpha"] = "Dynamic" if args.dynamic_method else str(float(resized[f"{results[0].name}.alpha"]))
+    if any(key.startswith("sshs_") for key in metadata):
+        metadata.update(addnet_hashes(resized, metadata))
+    save_lora_file(resized, args.save_to, metadata)
+    retained = [result.fro_retained for result in results]
+    print(f"saved {args.save_to}: {len(results)} modules, mean retained energy {sum(retained) / len(retained):.4%}, "
+          f"lowest {min(retained):.4%} ({min(results, key=lambda r: r.fro_retained).name}); "
+          f"ranks {json.dumps(sorted({r.new_rank for r in results}))}")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,135 @@
+"""Sample images during training: kohya's prompt formats, schedule and names; sampling never
+changes what is trained."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import model_args, run_trainer
+from PIL import Image
+
+from library import sampling
+from library.errors import UserError
+from networks.lora import read_lora_file
+
+
+def test_txt_prompt_line_options(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("# a comment\n\nmasterpiece, a cat --n low quality, blurry --w 100 --h 64 --d 42 --s 3 --l 5.5\n"
+                    "a dog --ss euler_a --g 3\n", encoding="utf-8")
+    first, second = sampling.load_prompts(path)
+    assert first == sampling.SamplePrompt(index=0, prompt="masterpiece, a cat", negative_prompt="low quality, blurry",
+                                          width=96, height=64, seed=42, sample_steps=3, scale=5.5)
+    assert second.prompt == "a dog" and second.sampler == "euler_a" and second.index == 1
+    assert (second.width, second.height, second.sample_steps, second.scale, second.seed) == (512, 512, 30, 7.5, None)
+
+
+def test_toml_and_json_prompt_files(tmp_path):
+    toml_path = tmp_path / "prompts.toml"
+    toml_path.write_text('[prompt]\nnegative_prompt = "bad"\nwidth = 64\nheight = 64\nsample_steps = 2\n'
+                         '[[prompt.subset]]\nprompt = "a cat"\nseed = 1\n'
+                         '[[prompt.subset]]\nprompt = "a dog"\nwidth = 128\nsample_sampler = "k_euler"\n')
+    cat, dog = sampling.load_prompts(toml_path)
+    assert (cat.prompt, cat.negative_prompt, cat.width, cat.seed, cat.sample_steps) == ("a cat", "bad", 64, 1, 2)
+    assert (dog.width, dog.sampler, dog.index) == (128, "k_euler", 1)
+    json_path = tmp_path / "prompts.json"
+    json_path.write_text(json.dumps([{"prompt": "a cat", "width": 64, "seed": 3}, "a dog --d 5"]))
+    cat, dog = sampling.load_prompts(json_path)
+    assert (cat.width, cat.seed, dog.prompt, dog.seed) == (64, 3, "a dog", 5)
+
+
+@pytest.mark.parametrize("content,suffix,match", [
+    ("a cat --w wide", ".txt", "--w"), ("a cat --ss magic", ".txt", "sampler"), ("", ".txt", "no prompts"),
+    ("{", ".json", "JSON"), ("[prompt]\n", ".toml", "subset"), ("a cat", ".yaml", ".txt, .toml or .json"),
+])
+def test_bad_prompt_files(tmp_path, content, suffix, match):
+    path = tmp_path / f"p{suffix}"
+    path.write_text(content)
+    with pytest.raises(UserError, match=match):
+        sampling.load_prompts(path)
+
+
+@pytest.mark.parametrize("sampler", sampling.SAMPLERS)
+def test_every_sampler_name_maps_to_a_scheduler(sampler, tiny_models):
+    config = json.loads((Path(tiny_models["sdxl_config"]) / "scheduler" / "scheduler_config.json").read_text())
+    if sampler.endswith("lms") and importlib.util.find_spec("scipy") is None:
+        with pytest.raises(UserError, match="pip install scipy"):
+            sampling.make_scheduler(sampler, config)
+        return
+    scheduler = sampling.make_scheduler(sampler, config, v_parameterization=True)
+    assert scheduler.config.prediction_type == "v_prediction"
+    assert scheduler.config.num_train_timesteps == config["num_train_timesteps"]
+    if sampler.startswith("dpmsolver"):
+        assert scheduler.config.algorithm_type == sampler
+
+
+def test_schedule_follows_kohya():
+    args = argparse.Namespace(sample_prompts="p.txt", sample_at_first=False, sample_every_n_steps=2,
+                              sample_every_n_epochs=None)
+    assert [s for s in range(1, 7) if sampling.is_sample_point(args, "step", s)] == [2, 4, 6]
+    assert not sampling.is_sample_point(args, "first", 0) and not sampling.is_sample_point(args, "epoch", 4, 2)
+    args.sample_every_n_epochs = 2  # replaces the step schedule
+    assert not sampling.is_sample_point(args, "step", 2)
+    assert [e for e in range(1, 5) if sampling.is_sample_point(args, "epoch", 0, e)] == [2, 4]
+    args.sample_prompts = None
+    assert not sampling.is_sample_point(args, "epoch", 0, 2)
+
+
+def train_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    return model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--output_name", "run", "--seed", "3", "--max_data_loader_n_workers", "0",
+        "--network_dim", "4", "--learning_rate", "1e-2", "--max_train_steps", "4",
+        # dropout draws from the global torch RNG at every step: sampling that consumed or reseeded it
+        # would change the trained weights
+        "--network_dropout", "0.2", "--network_args", "rank_dropout=0.2", *extra,
+    ]
+
+
+def test_sampling_during_training_changes_nothing(tiny_models, demo_dataset, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 7 --l 3\na blue square --n green --w 64 --h 64 --s 1\n")
+    plain, sampled = tmp_path / "plain", tmp_path / "sampled"
+    run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, plain))
+    run_trainer("sdxl_train_network", train_args(
+        tiny_models, demo_dataset, sampled, "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
+        "--sample_at_first", "--sample_sampler", "euler_a", "--gradient_checkpointing"))
+
+    without, with_sampling = read_lora_file(str(plain / "run.safetensors")), read_lora_file(str(sampled / "run.safetensors"))
+    assert without.keys() == with_sampling.keys()
+    for key in without:
+        assert torch.equal(without[key], with_sampling[key]), key
+
+    names = sorted(path.name for path in (sampled / "sample").iterdir())
+    pattern = re.compile(r"run_(\d{6})_(\d{2})_\d{14}(_7)?\.png")
+    found = sorted((match.group(1), match.group(2)) for match in map(pattern.fullmatch, names) if match)
+    assert len(found) == len(names) == 6
+    assert found == [(step, index) for step in ("000000", "000002", "000004") for index in ("00", "01")]
+    assert all(name.endswith("_7.png") == ("_00_" in name) for name in names)  # the seed suffix
+    with Image.open(sampled / "sample" / names[0]) as image:
+        assert image.size == (64, 64)
+    assert not (plain / "sample").exists()
+
+
+def test_epoch_sampling_names_and_bad_prompt_file(tiny_models, demo_dataset, tmp_path):
+    prompts = tmp_path / "prompts.toml"
+    prompts.write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 1\n[[prompt.subset]]\nprompt = "a cat"\n')
+    output_dir = tmp_path / "epochs"
+    # 4 images, batch 1: 4 steps per epoch
+    run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, output_dir, "--sample_prompts",
+                                                 str(prompts), "--sample_every_n_epochs", "1",
+                                                 "--max_train_steps", "8", "--sample_sampler", "k_dpm_2",
+                                                 "--mixed_precision", "fp16", "--cache_latents"))
+    names = sorted(path.name for path in (output_dir / "sample").iterdir())
+    assert [name[:14] for name in names] == ["run_e000001_00", "run_e000002_00"]
+
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a cat --s many\n")
+    with pytest.raises(UserError, match="--sample_prompts"):
+        run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, tmp_path / "bad",
+                                                     "--sample_prompts", str(bad)))
