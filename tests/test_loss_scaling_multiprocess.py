@@ -48,6 +48,7 @@ def _worker(rank: int, port: int, policy: str, out_dir: str) -> None:
             record["weights_changed"].append(not torch.equal(model.weight, before))
         record["overflow_count"] = scaler.overflow_count
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        dist.barrier()  # leave together: gloo can abort a process whose peer tears down first
     finally:
         dist.destroy_process_group()
 
