@@ -376,24 +376,11 @@ def micro_batch_objective(loss_sum: torch.Tensor, denominator: torch.Tensor, gra
     """What to pass to ``accelerator.backward`` for one micro-batch of a window.
 
     ``denominator``: :func:`window_denominator` summed over all processes. ``gradient_divisor``:
-    what the machinery divides gradients by afterwards, ``num_processes *
-    gradient_accumulation_steps`` (accelerate's ``backward`` divides every loss by
-    gradient_accumulation_steps; DDP averages gradients over processes). The gradients
-    accumulated over the window are then exactly those of
-    sum(all loss_sum) / denominator; in micro mode, exactly kohya's.
+    what the machinery divides gradients by afterwards: 1 in our trainer (its accelerator has
+    gradient_accumulation_steps=1 and gradients are SUMMED over processes); a loop using
+    accelerate's accumulation and DDP averaging would pass ``num_processes *
+    gradient_accumulation_steps``. The gradients accumulated over the window are then exactly
+    those of sum(all loss_sum) / denominator; in micro mode, exactly kohya's.
     """
     return normalize(loss_sum, denominator) * gradient_divisor
 
-
-# --------------------------------------------------------------------------- older API
-
-
-def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error per sample, from fp32 copies whatever the autocast dtype."""
-    squared_error = elementwise_loss(prediction, target, "l2")
-    return squared_error.mean(dim=list(range(1, squared_error.dim())))
-
-
-def weighted_batch_loss(per_sample: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """kohya's reduction: per-sample losses times their weights (prior_loss_weight), averaged."""
-    return (per_sample * weights.to(per_sample.device)).mean()

@@ -491,11 +491,3 @@ def test_masked_loss_with_a_mask_source_is_valid():
     losses.validate_arguments(parse("--masked_loss", "--alpha_mask"))
     losses.validate_arguments(parse("--masked_loss", "--dataset_config", "x.toml"))
 
-
-def test_older_api_still_works():
-    prediction, target = torch.randn(2, 4, 2, 2).half(), torch.randn(2, 4, 2, 2)
-    per_sample = losses.per_sample_loss(prediction, target)
-    torch.testing.assert_close(per_sample, ((prediction.float() - target) ** 2).mean(dim=(1, 2, 3)))
-    assert losses.weighted_batch_loss(per_sample, torch.tensor([1.0, 0.0])).item() == pytest.approx(
-        per_sample[0].item() / 2
-    )
