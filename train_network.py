@@ -497,11 +497,13 @@ class NetworkTrainer:
         """Frozen weights go to the device in the autocast dtype (less memory, no per-step cast)."""
         for model in [models.unet, models.vae, *models.text_encoders]:
             model.requires_grad_(False)
-        models.unet.to(device, dtype=autocast_dtype)
+        # torch's Module.to, not diffusers' override: the latter warns on every dtype cast about
+        # "modules to keep in float32" although these models list none.
+        torch.nn.Module.to(models.unet, device, dtype=autocast_dtype)
         for text_encoder in models.text_encoders:
             text_encoder.to(device, dtype=autocast_dtype)
         vae_dtype = torch.float32 if args.no_half_vae else autocast_dtype
-        models.vae.to(device, dtype=vae_dtype)
+        torch.nn.Module.to(models.vae, device, dtype=vae_dtype)
         models.vae.eval()
         models.unet.eval()
         for text_encoder in models.text_encoders:
