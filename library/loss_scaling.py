@@ -169,6 +169,10 @@ class DynamicPolicy(ScalePolicy):
         if overflow:
             self.growth_tracker = 0
             return scale * self.backoff_factor
+        return self._count_clean_step(scale)
+
+    def _count_clean_step(self, scale: float) -> float:
+        """Count a clean step; grow the scale when ``growth_interval`` of them are in a row."""
         self.growth_tracker += 1
         if self.growth_tracker < self.growth_interval:
             return scale
@@ -217,7 +221,7 @@ class AggressivePolicy(DynamicPolicy):
 
 
 @register_loss_scaler("floored")
-class FlooredPolicy(ScalePolicy):
+class FlooredPolicy(DynamicPolicy):
     """Backs off steeply but never below a floor; sporadic overflows do not delay growth.
 
     On overflow: ``scale = max(scale * backoff_factor, min_scale)`` (x0.3, floor 2**12). Unlike
@@ -234,24 +238,18 @@ class FlooredPolicy(ScalePolicy):
 
     def __init__(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.3,
                  growth_interval: int = 2000, min_scale: float = 2.0**12, pause_after: int = 5) -> None:
-        self.init_scale = _scale_arg("init_scale", init_scale)
-        self.growth_factor = _factor_arg("growth_factor", growth_factor, above_one=True)
-        self.backoff_factor = _factor_arg("backoff_factor", backoff_factor, above_one=False)
-        self.growth_interval = _steps_arg("growth_interval", growth_interval)
+        super().__init__(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                         growth_interval=growth_interval)
         self.min_scale = _scale_arg("min_scale", min_scale)
         self.pause_after = _steps_arg("pause_after", pause_after)
         if self.init_scale < self.min_scale:
             raise UserError(f"--loss_scaler_args init_scale={init_scale} must not be below min_scale={min_scale}")
-        self.growth_tracker = 0
         self.overflow_streak = 0
 
     @property
     def growth_paused(self) -> bool:
         """True from the ``pause_after``-th consecutive overflow until the next clean step."""
         return self.overflow_streak >= self.pause_after
-
-    def initial_scale(self) -> float:
-        return self.init_scale
 
     def next_scale(self, scale: float, overflow: bool) -> float:
         if overflow:
@@ -260,12 +258,7 @@ class FlooredPolicy(ScalePolicy):
                 self.growth_tracker = 0
             return max(scale * self.backoff_factor, self.min_scale)
         self.overflow_streak = 0
-        self.growth_tracker += 1
-        if self.growth_tracker < self.growth_interval:
-            return scale
-        self.growth_tracker = 0
-        grown = to_float32(scale * self.growth_factor)
-        return grown if math.isfinite(grown) else scale
+        return self._count_clean_step(scale)
 
 
 def _scale_arg(key: str, value: Any) -> float:
