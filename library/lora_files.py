@@ -46,12 +46,22 @@ def validate_arguments(args: argparse.Namespace) -> None:
         args.output_name = "last"
 
 
+def epoch_stem(output_name: str, epoch: int) -> str:
+    """kohya's name of an epoch save point; LoRA files and state folders add their suffix."""
+    return f"{output_name}-{epoch:06d}"
+
+
+def step_stem(output_name: str, step: int) -> str:
+    """kohya's name of a step save point; LoRA files and state folders add their suffix."""
+    return f"{output_name}-step{step:08d}"
+
+
 def epoch_file_name(output_name: str, epoch: int) -> str:
-    return f"{output_name}-{epoch:06d}.safetensors"
+    return epoch_stem(output_name, epoch) + ".safetensors"
 
 
 def step_file_name(output_name: str, step: int) -> str:
-    return f"{output_name}-step{step:08d}.safetensors"
+    return step_stem(output_name, step) + ".safetensors"
 
 
 def final_file_name(output_name: str) -> str:

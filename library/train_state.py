@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.errors import UserError
+from library.lora_files import epoch_stem, step_stem
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -48,11 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def step_state_name(output_name: str, step: int) -> str:
-    return f"{output_name}-step{step:08d}{STATE_SUFFIX}"
+    return step_stem(output_name, step) + STATE_SUFFIX
 
 
 def epoch_state_name(output_name: str, epoch: int) -> str:
-    return f"{output_name}-{epoch:06d}{STATE_SUFFIX}"
+    return epoch_stem(output_name, epoch) + STATE_SUFFIX
 
 
 def final_state_name(output_name: str) -> str:
