@@ -336,11 +336,12 @@ class NetworkTrainer:
                               for batch in itertools.islice(batches, args.gradient_accumulation_steps)]
                     if not window:
                         break
-                    loss_value = self.backward_window(run, window, epoch, accelerator, scaler)
+                    window_loss = self.backward_window(run, window, epoch, accelerator, scaler)
                     sharding.sum_gradients_across_processes(trainable_params)
                     step = progress_state.global_step + 1
                     fault_injection.inject(injections, step, accelerator.process_index, trainable_params)
-                    measured = monitor.measure(scale=scaler.get_scale() if scaler else None)
+                    measured = monitor.measure(scale=scaler.get_scale() if scaler else None, loss=window_loss)
+                    loss_value = measured.loss
                     decision = guard.decide(step, measured.norm, agree)
                     if decision.skip:
                         optimizer.zero_grad(set_to_none=True)
@@ -418,8 +419,9 @@ class NetworkTrainer:
 
     def backward_window(
         self, run: "LossContext", window: list[dict[str, Any]], epoch: int, accelerator: Accelerator, scaler,
-    ) -> float:
-        """Forward and backward every micro-batch of one accumulation window; returns the window's loss.
+    ) -> torch.Tensor:
+        """Forward and backward every micro-batch of one accumulation window; returns the window's loss
+        (a 0-dim tensor: the gradient monitor reads it in its one host sync per step).
 
         The loss is normalised over the whole window and all processes (``--loss_normalization
         exact``): the weight denominator is known before the first backward, because weights
@@ -440,7 +442,7 @@ class NetworkTrainer:
             accelerator.backward(scaler.scale(objective) if scaler else objective)
             window_loss_sum += result.loss_sum.detach()
         total = accelerator.reduce(window_loss_sum, reduction="sum")
-        return float(losses.normalize(total, denominator))
+        return losses.normalize(total, denominator)
 
     def report(self, args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
                loss_value: float, avr_loss: float, measured, decision) -> dict[str, float]:

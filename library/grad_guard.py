@@ -446,11 +446,13 @@ class GradientMeasurement:
     """``norm``: what the guard compares and the log writes (scaled, or unscaled with
     ``--grad_norm_unscaled``); ``cosine``: similarity to the previous step's gradient
     (NaN when off, on the first step, or when either norm is 0 or not finite);
-    ``scale``: the scale passed in (1.0 without a scaler)."""
+    ``scale``: the scale passed in (1.0 without a scaler); ``loss``: the ``loss`` tensor passed
+    in, read in the same host sync (NaN when none was passed)."""
 
     norm: float
     cosine: float
     scale: float
+    loss: float = math.nan
 
 
 class GradientMonitor:
@@ -497,7 +499,8 @@ class GradientMonitor:
                 self._buffers.append(flat)
                 self._views.append(_views_into(flat, self._parameters))
 
-    def measure(self, scale: float | torch.Tensor | None = None) -> GradientMeasurement:
+    def measure(self, scale: float | torch.Tensor | None = None,
+                loss: torch.Tensor | None = None) -> GradientMeasurement:
         """Measure the current gradients. ``scale``: the GradScaler's current scale (pass the
         scale tensor to avoid a second sync), None without a scaler. With cosine, the current
         gradient becomes the previous one."""
@@ -516,8 +519,11 @@ class GradientMonitor:
             scalars.append(dot)
         if isinstance(scale, torch.Tensor):
             scalars.append(scale.detach().reshape(()).to(device=scaled_norm.device, dtype=torch.float32))
+        if loss is not None:  # the step's loss rides along, so bookkeeping costs no extra sync
+            scalars.append(loss.detach().reshape(()).to(device=scaled_norm.device, dtype=torch.float32))
         values = torch.stack(scalars).tolist()  # the one host sync
 
+        loss_value = values.pop() if loss is not None else math.nan
         raw_norm = values[0]
         scale_value = values[-1] if isinstance(scale, torch.Tensor) else (1.0 if scale is None else float(scale))
         cosine = math.nan
@@ -530,7 +536,7 @@ class GradientMonitor:
         norm = raw_norm
         if self.unscaled:
             norm = raw_norm / scale_value if scale_value else math.nan
-        return GradientMeasurement(norm=norm, cosine=cosine, scale=scale_value)
+        return GradientMeasurement(norm=norm, cosine=cosine, scale=scale_value, loss=loss_value)
 
     def _norms_copy_and_dot(self, grads: list[torch.Tensor | None]
                             ) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -594,3 +594,13 @@ def test_monitor_state_of_another_size_is_dropped_with_a_warning(caplog):
     other.load_state_dict(monitor.state_dict())
     assert "previous gradient has" in caplog.text
     assert math.isnan(other.measure().cosine)
+
+
+def test_monitor_reads_the_step_loss_in_the_same_sync():
+    parameter = torch.nn.Parameter(torch.ones(3))
+    parameter.grad = torch.full((3,), 2.0)
+    monitor = GradientMonitor([parameter], cosine=True)
+    measured = monitor.measure(scale=torch.tensor(4.0), loss=torch.tensor(0.25))
+    assert measured.loss == 0.25 and measured.scale == 4.0
+    assert measured.norm == pytest.approx(math.sqrt(12.0))
+    assert math.isnan(monitor.measure().loss)
