@@ -28,8 +28,9 @@ class SdxlNetworkTrainer(train_network.NetworkTrainer):
         self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Penultimate hidden states of both encoders, concatenated, and text encoder 2's pooled projection
-        (kohya's rule and ``--max_token_length`` chunking, see ``library.text_encoding``)."""
-        return text_encoding.encode_sdxl(models.tokenizers, models.text_encoders, captions, args.max_token_length)
+        (kohya's rule, ``--max_token_length`` chunking and ``--weighted_captions``, see ``library.text_encoding``)."""
+        return text_encoding.encode_sdxl(models.tokenizers, models.text_encoders, captions, args.max_token_length,
+                                         weighted=args.weighted_captions)
 
     def predict(
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor,

@@ -7,34 +7,34 @@ each concern it touches lives in one ``library/`` module.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import math
 import os
 import random
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import send_to_device
+from accelerate.utils import InitProcessGroupKwargs, send_to_device
 from tqdm import tqdm
 
 from library import (
-    config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise, optimizers,
+    compatibility, config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise,
+    optimizers,
 )
 from library import sampling, sharding, text_encoding, tracking, train_state
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
 from library.interrupts import StopRequest
-from library.lora_metadata import modelspec_metadata, training_metadata, wall_clock
+from library.lora_metadata import dataset_metadata, modelspec_metadata, training_metadata, wall_clock
 from library.model_loading import StableDiffusionModels
-from networks import lora
+from networks import lora, merge_lora
 
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,18 +51,15 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recompute activations in backward to save memory")
     parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
                         help="autocast dtype (default no); fp16 adds the loss scaler chosen with --loss_scaler")
+    parser.add_argument("--full_fp16", action="store_true",
+                        help="keep the LoRA weights, gradients and optimizer state in fp16 too (needs --mixed_precision "
+                             "fp16; less memory, less precise updates). Default: float32 LoRA weights")
+    parser.add_argument("--full_bf16", action="store_true",
+                        help="keep the LoRA weights, gradients and optimizer state in bf16 too (needs --mixed_precision "
+                             "bf16). Default: float32 LoRA weights")
     parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
     parser.add_argument("--clip_skip", type=int, default=None,
                         help="use the output of the N-th last text encoder layer (SD1.x/2.x; default: the last)")
-    parser.add_argument("--logging_dir", type=str, default=None, help="folder for tracker logs (tensorboard)")
-    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
-                        help="trackers to log to (default tensorboard when --logging_dir is given)")
-    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the tracker log folder name")
-    parser.add_argument("--log_tracker_name", type=str, default=None,
-                        help="tracker project name (default network_train)")
-    parser.add_argument("--wandb_run_name", type=str, default=None, help="wandb run name (set WANDB_MODE=offline to log offline)")
-    parser.add_argument("--log_jsonl", type=str, default=None,
-                        help="also write every step's scalars as JSON lines to this file (for scripts and GUIs)")
     parser.add_argument("--training_comment", type=str, default=None, help="comment stored in the LoRA metadata")
 
 
@@ -78,8 +75,16 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network_args", type=str, default=None, nargs="*",
                         help="key=value network options: conv_dim, conv_alpha, rank_dropout, module_dropout")
     parser.add_argument("--network_weights", type=str, default=None, help="LoRA file to continue training from")
+    parser.add_argument("--base_weights", type=str, default=None, nargs="*",
+                        help="LoRA files merged into the base model before training (the new LoRA learns on top)")
+    parser.add_argument("--base_weights_multiplier", type=float, default=None, nargs="*",
+                        help="strength of each --base_weights file, in order (default 1.0)")
     parser.add_argument("--dim_from_weights", action="store_true",
                         help="take ranks and alphas from --network_weights instead of --network_dim")
+    parser.add_argument("--scale_weight_norms", type=float, default=None,
+                        help="after each optimizer step, scale down every LoRA module whose weight change "
+                             "(up @ down * alpha/dim) has a Frobenius norm above this (kohya's max-norm "
+                             "regularisation; 1 is a common value). Default: off (also 0)")
     parser.add_argument("--network_train_unet_only", action="store_true", help="train only the UNet LoRA")
     parser.add_argument("--network_train_text_encoder_only", action="store_true",
                         help="train only the text encoder LoRA")
@@ -95,6 +100,7 @@ def setup_parser() -> argparse.ArgumentParser:
     datasets.add_arguments(parser)
     lora_files.add_arguments(parser)
     add_training_arguments(parser)
+    tracking.add_arguments(parser)
     add_network_arguments(parser)
     noise.add_arguments(parser)
     losses.add_arguments(parser)
@@ -104,6 +110,7 @@ def setup_parser() -> argparse.ArgumentParser:
     train_state.add_arguments(parser)
     fault_injection.add_arguments(parser)
     sampling.add_arguments(parser)
+    compatibility.add_arguments(parser)
     return parser
 
 
@@ -125,15 +132,26 @@ def validate_arguments(args: argparse.Namespace) -> None:
             raise UserError(f"--{flag} {value} must be a positive number")
     if args.text_encoder_lr is not None and any(not lr > 0 for lr in args.text_encoder_lr):
         raise UserError(f"--text_encoder_lr {args.text_encoder_lr}: learning rates must be positive numbers")
+    for flag, precision in (("full_fp16", "fp16"), ("full_bf16", "bf16")):
+        if getattr(args, flag) and args.mixed_precision != precision:
+            raise UserError(f"--{flag} needs --mixed_precision {precision} (got {args.mixed_precision})")
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
     if args.network_module != "networks.lora":
         raise UserError(f"--network_module {args.network_module}: only networks.lora is available")
+    if len(args.base_weights_multiplier or []) > len(args.base_weights or []):
+        raise UserError(f"--base_weights_multiplier has {len(args.base_weights_multiplier)} values for "
+                        f"{len(args.base_weights or [])} --base_weights files: give at most one per file")
     if args.dim_from_weights and not args.network_weights:
         raise UserError("--dim_from_weights needs --network_weights FILE")
+    if args.scale_weight_norms is not None and not args.scale_weight_norms >= 0:
+        raise UserError(f"--scale_weight_norms {args.scale_weight_norms} must be a positive number (0 = off)")
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
+    compatibility.refuse_unsupported(args)
+    tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
+    train_state.validate_arguments(args)
     optimizers.validate_args(args)
     loss_scaling.validate_arguments(args)
     losses.validate_arguments(args)
@@ -179,9 +197,11 @@ class NetworkTrainer:
         return None
 
     def encode_prompts(self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]) -> Any:
-        """Text conditioning for the UNet: CLIP hidden states (``--clip_skip``, ``--max_token_length`` aware)."""
+        """Text conditioning for the UNet: CLIP hidden states (``--clip_skip``, ``--max_token_length``,
+        ``--weighted_captions`` aware)."""
         return text_encoding.encode_sd(
-            models.tokenizers[0], models.text_encoders[0], captions, args.max_token_length, args.clip_skip
+            models.tokenizers[0], models.text_encoders[0], captions, args.max_token_length, args.clip_skip,
+            weighted=args.weighted_captions,
         )
 
     def predict(
@@ -193,6 +213,7 @@ class NetworkTrainer:
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
         validate_arguments(args)
+        compatibility.apply_aliases(args)
         grad_guard.apply_preset(args, explicit)
         if args.seed is None:
             args.seed = random.randint(0, 2**31 - 1)
@@ -204,13 +225,18 @@ class NetworkTrainer:
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
             mixed_precision="no",  # autocast and the loss scaler are ours: accelerate drops both on CPU
-            log_with=tracker_names(args),
-            project_dir=tracker_dir(args),
+            log_with=tracking.tracker_names(args),
+            project_dir=tracking.tracker_dir(args),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=args.ddp_timeout))]
+            if args.ddp_timeout else None,
         )
         device = accelerator.device
         autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
 
         models = self.load_models(args)
+        compatibility.select_attention(args, models.unet, device.type, announce=print)
+        if args.base_weights:
+            merge_lora.merge_base_weights(models, args.base_weights, args.base_weights_multiplier)
         noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
         noise.validate_arguments(args, noise_scheduler.config.num_train_timesteps)
         network = self.create_network(args, models)
@@ -220,7 +246,8 @@ class NetworkTrainer:
         if args.network_weights and not args.dim_from_weights:
             network.load_weights(args.network_weights)
         self.place_models(args, models, device, autocast_dtype, train_text_encoder)
-        network.to(device)
+        # kohya's --full_fp16/--full_bf16: the LoRA itself in the autocast dtype (no float32 master copy).
+        network.to(device, dtype=autocast_dtype if args.full_fp16 or args.full_bf16 else None)
         dataset_caching.cache_before_training(args, dataset, models, accelerator, autocast_dtype)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
@@ -243,6 +270,7 @@ class NetworkTrainer:
         if args.max_train_epochs is not None:
             args.max_train_steps = args.max_train_epochs * steps_per_epoch
         num_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
+        lora_files.apply_epoch_ratio(args, num_epochs)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
         scaler = loss_scaling.create_loss_scaler(args, device)
         guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
@@ -272,6 +300,8 @@ class NetworkTrainer:
             train_state.set_rng_state(state.rng)
             progress_state = state.progress
             print(f"resumed at step {progress_state.global_step} (epoch {progress_state.epoch})")
+        else:
+            progress_state = train_state.initial_progress(args, steps_per_epoch, progress_state)
         if grad_log is not None:
             grad_log.start(resume_step=progress_state.global_step if resume_path is not None else None)
 
@@ -290,17 +320,15 @@ class NetworkTrainer:
                 "num_batches_per_epoch": len(dataloader),
                 "num_epochs": num_epochs,
                 "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
-                "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
-                "dataset_dirs": dataset.dataset_dirs(),
                 "network_args": lora.parse_network_args(args.network_args),
                 "model_name": os.path.basename(args.pretrained_model_name_or_path.rstrip("/\\")),
             },
         )
+        total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+        metadata.update(dataset_metadata(args, dataset, total_batch_size))
         metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw, progress_state.training_started_at))
         writer = lora_files.LoraWriter(args, metadata)
-        if accelerator.is_main_process:
-            init_kwargs = {"wandb": {"name": args.wandb_run_name}} if args.wandb_run_name else {}
-            accelerator.init_trackers(args.log_tracker_name or "network_train", config=None, init_kwargs=init_kwargs)
+        tracking.init_trackers(accelerator, args)
         jsonl = None
         if args.log_jsonl and accelerator.is_main_process:
             jsonl = tracking.JsonlLog(args.log_jsonl, progress_state.global_step if resume_path is not None else None)
@@ -343,10 +371,13 @@ class NetworkTrainer:
                     measured = monitor.measure(scale=scaler.get_scale() if scaler else None, loss=window_loss)
                     loss_value = measured.loss
                     decision = guard.decide(step, measured.norm, agree)
+                    max_norm_logs = {}
                     if decision.skip:
                         optimizer.zero_grad(set_to_none=True)
                     else:
                         self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+                        if args.scale_weight_norms:
+                            max_norm_logs = max_norm_scalars(network.apply_max_norm_regularization(args.scale_weight_norms))
                     progress_state.global_step = step
                     progress_state.batches_done += len(window)
                     if math.isfinite(loss_value):
@@ -361,7 +392,7 @@ class NetworkTrainer:
                             scale=measured.scale if scaler else None, cosine=measured.cosine if log_cosine else None,
                         )
                     logs = self.report(args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-                                       loss_value, avr_loss, measured, decision)
+                                       loss_value, avr_loss, measured, decision, max_norm_logs)
                     if jsonl is not None:
                         jsonl.append(step, logs)
                     if accelerator.is_main_process:
@@ -445,9 +476,13 @@ class NetworkTrainer:
         return losses.normalize(total, denominator)
 
     def report(self, args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-               loss_value: float, avr_loss: float, measured, decision) -> dict[str, float]:
+               loss_value: float, avr_loss: float, measured, decision, max_norm_logs: dict[str, float]
+               ) -> dict[str, float]:
         """Progress bar postfix and tracker scalars of one optimizer step."""
         postfix = {"avr_loss": f"{avr_loss:.4f}"}
+        if max_norm_logs:  # kohya's progress bar names
+            postfix["Keys Scaled"] = int(max_norm_logs["max_norm/keys_scaled"])
+            postfix["Average key norm"] = f"{max_norm_logs['max_norm/average_key_norm']:.4f}"
         if args.skip_grad_norm:
             postfix["skipped"] = guard.skipped_steps
         if progress_state.non_finite_losses:
@@ -469,6 +504,7 @@ class NetworkTrainer:
             logs["train/grad_cosine"] = measured.cosine
         for index, lr in enumerate(lr_scheduler.get_last_lr()):
             logs[f"lr/group{index}"] = lr
+        logs.update(max_norm_logs)
         accelerator.log(logs, step=progress_state.global_step)
         return logs
 
@@ -594,32 +630,19 @@ def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indi
     return (mean + std * eps) * vae.config.scaling_factor
 
 
+def max_norm_scalars(stats: lora.MaxNormStats) -> dict[str, float]:
+    """kohya's tracker scalars of ``--scale_weight_norms``. Reading them is a second host sync
+    per step, paid only when the option is on (the stats exist only after the optimizer step)."""
+    keys_scaled, mean_norm, max_norm = torch.stack(
+        [stats.keys_scaled.float(), stats.mean_norm.float(), stats.max_norm.float()]).tolist()
+    return {"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
+            "max_norm/max_key_norm": max_norm}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def tracker_names(args: argparse.Namespace) -> Optional[list[str]]:
-    """accelerate tracker names for ``--log_with``; a tracker whose package is missing is a UserError."""
-    if args.log_with == "all":
-        names = ["tensorboard", "wandb"]
-    elif args.log_with:
-        names = [args.log_with]
-    else:
-        return ["tensorboard"] if args.logging_dir else None
-    if "wandb" in names and importlib.util.find_spec("wandb") is None:
-        raise UserError(f"--log_with {args.log_with}: wandb is not installed (pip install wandb; WANDB_MODE=offline "
-                        f"logs without network), or use --log_with tensorboard")
-    if "tensorboard" in names and not args.logging_dir:
-        raise UserError(f"--log_with {args.log_with} needs --logging_dir DIR for the tensorboard event files")
-    return names
-
-
-def tracker_dir(args: argparse.Namespace) -> Optional[str]:
-    if not args.logging_dir:
-        return None
-    return os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
 
 
 def main(trainer_class: type = NetworkTrainer, parser_factory=setup_parser, argv: Optional[list[str]] = None) -> None:

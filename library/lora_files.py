@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of saved weights (default: the training dtype, float32)")
     parser.add_argument("--save_every_n_epochs", type=int, default=None, help="also save a LoRA every N epochs")
     parser.add_argument("--save_every_n_steps", type=int, default=None, help="also save a LoRA every N optimizer steps")
+    parser.add_argument("--save_n_epoch_ratio", type=int, default=None,
+                        help="save about N times over the run: sets --save_every_n_epochs to epochs // N (at least 1)")
     parser.add_argument("--save_last_n_epochs", type=int, default=None,
                         help="keep only the last N per-epoch LoRA files (older ones are removed)")
     parser.add_argument("--save_last_n_steps", type=int, default=None,
@@ -38,12 +40,20 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--save_model_as {args.save_model_as}: only safetensors is supported (it is what LoRA loaders read)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UserError(f"--output_dir {args.output_dir} exists and is not a folder")
-    for flag in ("save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps"):
+    for flag in ("save_every_n_epochs", "save_every_n_steps", "save_n_epoch_ratio", "save_last_n_epochs",
+                 "save_last_n_steps"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UserError(f"--{flag} {value} must be a positive integer")
     if args.output_name is None:
         args.output_name = "last"
+
+
+def apply_epoch_ratio(args: argparse.Namespace, num_epochs: int) -> None:
+    """``--save_n_epoch_ratio N``: every ``num_epochs // N`` epochs (at least 1), as kohya computes it.
+    It replaces ``--save_every_n_epochs`` for LoRA files and states alike."""
+    if args.save_n_epoch_ratio:
+        args.save_every_n_epochs = max(num_epochs // args.save_n_epoch_ratio, 1)
 
 
 def epoch_stem(output_name: str, epoch: int) -> str:

@@ -12,10 +12,15 @@ import io
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from safetensors.torch import save
+
+from library.datasets.plan import DatasetPlan, base_name
+
+if TYPE_CHECKING:
+    from library.datasets.dataset import TrainDataset
 
 ARCHITECTURES = {"sd1": "stable-diffusion-v1", "sd2": "stable-diffusion-v2-512", "sdxl": "stable-diffusion-xl-v1-base"}
 BASE_MODEL_VERSIONS = {"sd1": "sd_v1", "sd2": "sd_2.0", "sdxl": "sdxl_base_v1-0"}
@@ -24,7 +29,8 @@ IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 
 def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[str, Any]) -> dict[str, str]:
     """kohya's ``ss_*`` metadata of a run; ``facts`` holds what the trainer computed
-    (image counts, batches per epoch, epochs, optimizer string, session id, start time)."""
+    (image counts, batches per epoch, epochs, optimizer string, session id, start time).
+    The dataset's own keys come from ``dataset_metadata``."""
     metadata: dict[str, Any] = {
         "ss_session_id": facts["session_id"],
         "ss_training_started_at": facts["training_started_at"],
@@ -46,14 +52,25 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
         "ss_network_alpha": args.network_alpha,
         "ss_network_dropout": args.network_dropout,
         "ss_mixed_precision": args.mixed_precision,
-        "ss_full_fp16": False,
+        "ss_full_fp16": bool(args.full_fp16),
         "ss_v2": bool(args.v2),
         "ss_base_model_version": BASE_MODEL_VERSIONS[model_kind],
         "ss_clip_skip": args.clip_skip,
-        "ss_max_token_length": None,
-        "ss_cache_latents": False,
+        "ss_max_token_length": args.max_token_length,
+        "ss_cache_latents": bool(args.cache_latents),
+        "ss_lowram": bool(args.lowram),
         "ss_seed": args.seed,
         "ss_noise_offset": args.noise_offset,
+        "ss_noise_offset_random_strength": bool(args.noise_offset_random_strength),
+        "ss_ip_noise_gamma_random_strength": bool(args.ip_noise_gamma_random_strength),
+        "ss_caption_dropout_rate": args.caption_dropout_rate,
+        "ss_caption_dropout_every_n_epochs": args.caption_dropout_every_n_epochs,
+        "ss_caption_tag_dropout_rate": args.caption_tag_dropout_rate,
+        "ss_face_crop_aug_range": args.face_crop_aug_range,
+        "ss_scale_weight_norms": args.scale_weight_norms,
+        "ss_fp8_base": bool(args.fp8_base),
+        "ss_fp8_base_unet": bool(args.fp8_base_unet),
+        "ss_resize_interpolation": args.resize_interpolation,
         "ss_training_comment": args.training_comment,
         "ss_optimizer": facts["optimizer"],
         "ss_max_grad_norm": args.max_grad_norm,
@@ -71,14 +88,109 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
         "ss_adaptive_noise_scale": args.adaptive_noise_scale,
         "ss_min_timestep": args.min_timestep,
         "ss_max_timestep": args.max_timestep,
-        "ss_batch_size_per_device": args.train_batch_size,
-        "ss_total_batch_size": facts["total_batch_size"],
-        "ss_resolution": args.resolution,
-        "ss_dataset_dirs": json.dumps(facts.get("dataset_dirs", {})),
         "ss_network_args": json.dumps(facts.get("network_args", {})),
         "ss_sd_model_name": facts["model_name"],
     }
     return {key: str(value) for key, value in metadata.items()}
+
+
+def dataset_metadata(args: argparse.Namespace, dataset: TrainDataset, total_batch_size: int) -> dict[str, str]:
+    """kohya's dataset ``ss_*`` keys, in its two shapes.
+
+    With ``--dataset_config``: ``ss_datasets`` (every dataset with its subsets),
+    ``ss_tag_frequency`` and ``ss_dataset_dirs``. Otherwise (DreamBooth folders or
+    ``--in_json``) the run's dataset flags, ``ss_dataset_dirs``, ``ss_reg_dataset_dirs``,
+    ``ss_tag_frequency`` and ``ss_bucket_info``. Nested values are JSON as kohya writes them.
+    """
+    if args.dataset_config:
+        return _config_metadata(dataset)
+    planned = dataset.plan.datasets[0]  # folder runs have one dataset
+    spec = planned.spec
+    metadata = {
+        "ss_batch_size_per_device": args.train_batch_size,
+        "ss_total_batch_size": total_batch_size,
+        "ss_resolution": tuple(spec.resolution_wh),  # kohya's parsed --resolution: "(1024, 1024)"
+        "ss_color_aug": bool(args.color_aug),
+        "ss_flip_aug": bool(args.flip_aug),
+        "ss_random_crop": bool(args.random_crop),
+        "ss_shuffle_caption": bool(args.shuffle_caption),
+        "ss_enable_bucket": bool(spec.enable_bucket),
+        "ss_bucket_no_upscale": bool(spec.enable_bucket and spec.bucket_no_upscale),
+        "ss_min_bucket_reso": planned.min_bucket_reso,
+        "ss_max_bucket_reso": planned.max_bucket_reso,
+        "ss_keep_tokens": args.keep_tokens,
+        "ss_dataset_dirs": json.dumps(dataset.dataset_dirs()),
+        "ss_reg_dataset_dirs": json.dumps(dataset.dataset_dirs(reg=True)),
+        "ss_tag_frequency": json.dumps(dataset.tag_frequency()),
+        "ss_bucket_info": json.dumps(planned.bucket_info()),
+    }
+    return {key: str(value) for key, value in metadata.items()}
+
+
+def _config_metadata(dataset: TrainDataset) -> dict[str, str]:
+    """The ``--dataset_config`` shape: reg subsets appear in ``ss_datasets`` only, and a
+    folder name met again in ``ss_dataset_dirs`` gets " (2)", " (3)"... as in kohya."""
+    datasets = [_dataset_entry(planned) for planned in dataset.plan.datasets]
+    dirs: dict[str, dict[str, int]] = {}
+    for planned in dataset.plan.datasets:
+        for subset in planned.subsets:
+            if subset.spec.is_reg:
+                continue
+            name, number = base_name(subset.spec.name), 2
+            key = name
+            while key in dirs:
+                key, number = f"{name} ({number})", number + 1
+            dirs[key] = {"n_repeats": subset.spec.num_repeats, "img_count": subset.img_count}
+    return {
+        "ss_datasets": json.dumps(datasets),
+        "ss_tag_frequency": json.dumps(dataset.tag_frequency()),
+        "ss_dataset_dirs": json.dumps(dirs),
+    }
+
+
+def _dataset_entry(planned: DatasetPlan) -> dict[str, Any]:
+    """One dataset of ``ss_datasets``, keys in kohya's order."""
+    spec = planned.spec
+    subsets = []
+    for subset in planned.subsets:
+        sub = subset.spec
+        entry: dict[str, Any] = {
+            "img_count": subset.img_count,
+            "num_repeats": sub.num_repeats,
+            "color_aug": bool(sub.color_aug),
+            "flip_aug": bool(sub.flip_aug),
+            "random_crop": bool(sub.random_crop),
+            "shuffle_caption": bool(sub.captions.shuffle_caption),
+            "keep_tokens": sub.captions.keep_tokens,
+            "keep_tokens_separator": sub.captions.keep_tokens_separator,
+            "secondary_separator": sub.captions.secondary_separator,
+            "enable_wildcard": bool(sub.captions.enable_wildcard),
+            "caption_prefix": sub.captions.caption_prefix,
+            "caption_suffix": sub.captions.caption_suffix,
+            "resize_interpolation": sub.resize_interpolation,
+        }
+        if sub.image_dir:
+            entry["image_dir"] = base_name(sub.image_dir)
+        if spec.is_finetuning:
+            entry["metadata_file"] = base_name(sub.metadata_file)
+        else:
+            entry["class_tokens"] = sub.class_tokens
+            entry["is_reg"] = sub.is_reg
+        subsets.append(entry)
+    return {
+        "is_dreambooth": not spec.is_finetuning,
+        "batch_size_per_device": spec.batch_size,
+        "num_train_images": planned.num_train_images,
+        "num_reg_images": planned.num_reg_images,
+        "resolution": tuple(spec.resolution_wh),
+        "enable_bucket": bool(spec.enable_bucket),
+        "min_bucket_reso": planned.min_bucket_reso,
+        "max_bucket_reso": planned.max_bucket_reso,
+        "tag_frequency": planned.tag_frequency,
+        "bucket_info": planned.bucket_info(),
+        "resize_interpolation": spec.resize_interpolation,
+        "subsets": subsets,
+    }
 
 
 def wall_clock() -> float:

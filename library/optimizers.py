@@ -289,11 +289,33 @@ def build_optimizer(
         raise UserError(
             f"--optimizer_args {given}: {optimizer_class.__name__} rejected them: {' '.join(str(error).split())}"
         ) from None
+    _refuse_vanishing_eps(optimizer)
     if callable(getattr(optimizer, "train", None)):
         optimizer.train()  # schedule-free optimizers start in training mode (kohya does the same)
     name = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
     arguments = ",".join(f"{key}={value}" for key, value in kwargs.items())
     return name, arguments, optimizer
+
+
+def _refuse_vanishing_eps(optimizer: torch.optim.Optimizer) -> None:
+    """UserError when an Adam-style ``eps`` is 0 in the dtype the optimizer computes in.
+
+    With ``--full_fp16`` torch's AdamW (and Prodigy, DAdapt*) compute in fp16, where 1e-8
+    rounds to 0: a parameter whose gradient is still 0 (every lora_down at the first step)
+    then gets 0/0 = NaN. bitsandbytes and Adafactor (tuple eps) compute in float32 internally.
+    """
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        return
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        if not isinstance(eps, float) or eps <= 0:
+            continue
+        for dtype in {parameter.dtype for parameter in group["params"]}:
+            if torch.tensor(eps, dtype=dtype).item() == 0:
+                raise UserError(
+                    f"--optimizer_type {type(optimizer).__name__} computes in {str(dtype).removeprefix('torch.')} "
+                    f"(--full_fp16), where its eps {eps:g} is 0 and a zero gradient gives NaN: add --optimizer_args "
+                    f"eps=1e-4 (or larger), use an 8-bit bitsandbytes optimizer, or drop --full_fp16")
 
 
 def metadata_value(optimizer_name: str, optimizer_arguments: str) -> str:

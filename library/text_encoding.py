@@ -12,21 +12,41 @@ SDXL: text encoder 1 gives its penultimate hidden states, text encoder 2 its
 penultimate hidden states and the pooled output: the final hidden state at the first
 <EOS> through ``text_projection`` (kohya's rule, independent of the transformers
 version), taken from the first chunk only.
+
+``--weighted_captions`` (kohya's rule): captions use A1111 attention syntax
+(:func:`parse_weighted_caption`), each token gets the weight of the piece it came from
+(:func:`tokenize_weighted`), and the hidden states above are multiplied per token by
+those weights; the pooled output is not weighted.
 """
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Optional
 
 import torch
 
+from library.errors import UserError
+
 CLIP_CHUNK = 77
 CLIP_TOKENS_PER_CHUNK = CLIP_CHUNK - 2
+
+# One token of A1111 attention syntax: an escape (a lone backslash escapes nothing and
+# vanishes), a bracket, ":<number>)" closing a round bracket with an explicit weight,
+# plain text, or a ":" that is just text.
+_ATTENTION_TOKEN = re.compile(r"\\[()\[\]\\]?|[()\[\]]|:([+-]?[.\d]+)\)|[^\\()\[\]:]+|:")
+ROUND_BRACKET_WEIGHT = 1.1
+SQUARE_BRACKET_WEIGHT = 1 / 1.1  # a multiplier, as in A1111/kohya (not a division: the floats differ)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_token_length", type=int, default=None, choices=[75, 150, 225],
                         help="tokens per caption: 75 (CLIP's own, the default), 150 or 225 (kohya's chunking)")
+    parser.add_argument("--weighted_captions", action="store_true",
+                        help="read captions in A1111 attention syntax and weight the text encoder outputs per token "
+                             "(kohya's rule): (word) x1.1, (word:1.3) x1.3, [word] /1.1, nesting multiplies, "
+                             "\\( \\) \\[ \\] \\\\ are literal characters. Keep commas out of brackets when "
+                             "shuffling or dropping tags. Default off: brackets are ordinary caption text")
 
 
 def num_chunks(max_token_length: Optional[int]) -> int:
@@ -36,25 +56,116 @@ def num_chunks(max_token_length: Optional[int]) -> int:
 
 def tokenize(tokenizer, captions: list[str], max_token_length: Optional[int] = None) -> torch.Tensor:
     """Token ids of shape (batch, chunks, 77) following kohya's chunking rule."""
-    chunks = num_chunks(max_token_length)
-    length = CLIP_TOKENS_PER_CHUNK * chunks + 2
+    length = CLIP_TOKENS_PER_CHUNK * num_chunks(max_token_length) + 2
     ids = tokenizer(captions, padding="max_length", truncation=True, max_length=length, return_tensors="pt").input_ids
-    if chunks == 1:
-        return ids.unsqueeze(1)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    rows = []
-    for row in ids:
+    return split_chunks(ids, tokenizer)
+
+
+def split_chunks(rows: torch.Tensor, tokenizer=None) -> torch.Tensor:
+    """(batch, 75*n + 2) -> (batch, n, 77): each chunk is the row's first value, its next 75, the row's last.
+
+    With ``tokenizer`` the rows are token ids and kohya's fix applies for tokenizers that
+    pad with a token other than <EOS>; without it (per-token weights) values are only split.
+    """
+    if rows.shape[1] == CLIP_CHUNK:
+        return rows.unsqueeze(1)
+    eos, pad = getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)
+    fix_ends = tokenizer is not None and pad != eos
+    rows_chunks = []
+    for row in rows:
         row_chunks = []
-        for start in range(1, length - 1, CLIP_TOKENS_PER_CHUNK):
+        for start in range(1, rows.shape[1] - 1, CLIP_TOKENS_PER_CHUNK):
             chunk = torch.cat([row[:1], row[start : start + CLIP_TOKENS_PER_CHUNK], row[-1:]])
-            if pad != eos:
+            if fix_ends:
                 if chunk[-2] != eos and chunk[-2] != pad:
                     chunk[-1] = eos
                 if chunk[1] == pad:
                     chunk[1] = eos
             row_chunks.append(chunk)
-        rows.append(torch.stack(row_chunks))
-    return torch.stack(rows)
+        rows_chunks.append(torch.stack(row_chunks))
+    return torch.stack(rows_chunks)
+
+
+def parse_weighted_caption(caption: str) -> list[tuple[str, float]]:
+    """A caption in A1111 attention syntax as (text, weight) pieces, with the results of kohya's parser.
+
+    ``(a)`` multiplies a's weight by 1.1, ``(a:1.3)`` by 1.3, ``[a]`` by 1/1.1; nesting
+    multiplies. ``\\(``, ``\\)``, ``\\[``, ``\\]``, ``\\\\`` are literal characters. A bracket
+    left open weighs everything after it, an unmatched closing bracket (or ``:1.3)``) is
+    text. Neighbouring pieces of equal weight are joined; an empty caption is ``[("", 1.0)]``.
+    Raises UserError for an explicit weight that is not a number (``(a:1.2.3)``).
+    """
+    pieces: list[list] = []  # [text, weight]; weights are multiplied in kohya's order, so the floats match
+    open_round: list[int] = []  # index of the first piece inside each open bracket
+    open_square: list[int] = []
+
+    def scale_from(start: int, factor: float) -> None:
+        for piece in pieces[start:]:
+            piece[1] *= factor
+
+    for match in _ATTENTION_TOKEN.finditer(caption):
+        token, explicit_weight = match.group(0), match.group(1)
+        if token.startswith("\\"):
+            pieces.append([token[1:], 1.0])
+        elif token == "(":
+            open_round.append(len(pieces))
+        elif token == "[":
+            open_square.append(len(pieces))
+        elif explicit_weight is not None and open_round:
+            try:
+                factor = float(explicit_weight)
+            except ValueError:
+                raise UserError(f"--weighted_captions: weight {explicit_weight!r} in caption {caption!r} is not "
+                                f"a number") from None
+            scale_from(open_round.pop(), factor)
+        elif token == ")" and open_round:
+            scale_from(open_round.pop(), ROUND_BRACKET_WEIGHT)
+        elif token == "]" and open_square:
+            scale_from(open_square.pop(), SQUARE_BRACKET_WEIGHT)
+        else:
+            pieces.append([token, 1.0])
+    for start in open_round:
+        scale_from(start, ROUND_BRACKET_WEIGHT)
+    for start in open_square:
+        scale_from(start, SQUARE_BRACKET_WEIGHT)
+    joined: list[tuple[str, float]] = []
+    for text, weight in pieces:
+        if joined and joined[-1][1] == weight:
+            joined[-1] = (joined[-1][0] + text, weight)
+        else:
+            joined.append((text, weight))
+    return joined or [("", 1.0)]
+
+
+def tokenize_weighted(tokenizer, captions: list[str], max_token_length: Optional[int] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and float32 per-token weights, both (batch, chunks, 77), for captions in attention syntax.
+
+    As kohya: each piece of :func:`parse_weighted_caption` is tokenised alone (so the syntax
+    never reaches the tokenizer, and a word split by a bracket is two words), its tokens
+    carry its weight; tokens beyond 75*chunks are cut; rows are ``<BOS> tokens <EOS> <PAD>...``
+    with weight 1 for <BOS>, <EOS> and padding, chunked like :func:`tokenize`.
+    """
+    body_length = CLIP_TOKENS_PER_CHUNK * num_chunks(max_token_length)
+    id_rows, weight_rows = [], []
+    for caption in captions:
+        pieces = parse_weighted_caption(caption)
+        # verbose=False: a long piece is cut below, so the tokenizer's "too long" warning would mislead
+        piece_ids = tokenizer([text for text, _ in pieces], add_special_tokens=False, verbose=False).input_ids
+        ids = [token for tokens in piece_ids for token in tokens][:body_length]
+        weights = [weight for (_, weight), tokens in zip(pieces, piece_ids) for _ in tokens][:body_length]
+        padding = body_length - len(ids)
+        id_rows.append([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id] + [tokenizer.pad_token_id] * padding)
+        weight_rows.append([1.0, *weights, 1.0] + [1.0] * padding)
+    return split_chunks(torch.tensor(id_rows), tokenizer), split_chunks(torch.tensor(weight_rows))
+
+
+def _token_ids(tokenizer, captions: list[str], max_token_length: Optional[int], weighted: bool
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(ids, weights) from :func:`tokenize_weighted` when ``weighted``, else (ids from :func:`tokenize`, None)."""
+    if weighted:
+        return tokenize_weighted(tokenizer, captions, max_token_length)
+    return tokenize(tokenizer, captions, max_token_length), None
 
 
 def merge_chunks(hidden: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -69,10 +180,22 @@ def merge_chunks(hidden: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def apply_token_weights(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Joined hidden states (batch, 75n + 2, D) times per-token ``weights`` (batch, n, 77) joined the same way.
+
+    The chunks' <BOS>/<EOS> weigh 1, as in kohya. The product is taken in float32 (kohya's
+    weights are float32) and returned in ``hidden``'s dtype, so weighting never changes the
+    dtype the UNet receives.
+    """
+    joined = merge_chunks(weights.reshape(-1, CLIP_CHUNK, 1), weights.shape[1]).to(hidden.device)
+    return (hidden.float() * joined).to(hidden.dtype)
+
+
 def encode_sd(tokenizer, text_encoder, captions: list[str], max_token_length: Optional[int] = None,
-              clip_skip: Optional[int] = None) -> torch.Tensor:
-    """SD1.x/2.x conditioning: the last (or ``clip_skip``-th last, re-normalised) hidden states."""
-    input_ids = tokenize(tokenizer, captions, max_token_length)
+              clip_skip: Optional[int] = None, weighted: bool = False) -> torch.Tensor:
+    """SD1.x/2.x conditioning: the last (or ``clip_skip``-th last, re-normalised) hidden states,
+    weighted per token when ``weighted`` (captions in attention syntax)."""
+    input_ids, weights = _token_ids(tokenizer, captions, max_token_length, weighted)
     chunks = input_ids.shape[1]
     flat = input_ids.reshape(-1, CLIP_CHUNK).to(text_encoder.device)
     if not clip_skip:
@@ -81,7 +204,8 @@ def encode_sd(tokenizer, text_encoder, captions: list[str], max_token_length: Op
         output = text_encoder(flat, output_hidden_states=True)
         final_layer_norm = getattr(text_encoder, "text_model", text_encoder).final_layer_norm  # transformers 4 / 5
         hidden = final_layer_norm(output.hidden_states[-clip_skip])
-    return merge_chunks(hidden, chunks)
+    hidden = merge_chunks(hidden, chunks)
+    return hidden if weights is None else apply_token_weights(hidden, weights)
 
 
 def pooled_at_first_eos(text_encoder, last_hidden_state: torch.Tensor, input_ids: torch.Tensor,
@@ -93,13 +217,14 @@ def pooled_at_first_eos(text_encoder, last_hidden_state: torch.Tensor, input_ids
     return projection(pooled.to(projection.weight.dtype)).to(last_hidden_state.dtype)
 
 
-def encode_sdxl_parts(tokenizers, text_encoders, captions: list[str], max_token_length: Optional[int] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SDXL's three outputs: hidden states of encoder 1 and 2 (penultimate layers) and the pooled output."""
+def encode_sdxl_parts(tokenizers, text_encoders, captions: list[str], max_token_length: Optional[int] = None,
+                      weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDXL's three outputs: hidden states of encoder 1 and 2 (penultimate layers) and the pooled output.
+    With ``weighted`` both hidden states are weighted per token, the pooled output is not."""
     tokenizer1, tokenizer2 = tokenizers
     encoder1, encoder2 = text_encoders
-    ids1 = tokenize(tokenizer1, captions, max_token_length)
-    ids2 = tokenize(tokenizer2, captions, max_token_length)
+    ids1, weights1 = _token_ids(tokenizer1, captions, max_token_length, weighted)
+    ids2, weights2 = _token_ids(tokenizer2, captions, max_token_length, weighted)
     chunks = ids1.shape[1]
     flat1 = ids1.reshape(-1, CLIP_CHUNK).to(encoder1.device)
     flat2 = ids2.reshape(-1, CLIP_CHUNK).to(encoder2.device)
@@ -107,11 +232,15 @@ def encode_sdxl_parts(tokenizers, text_encoders, captions: list[str], max_token_
     output2 = encoder2(flat2, output_hidden_states=True)
     hidden2 = output2.hidden_states[-2]
     pooled = pooled_at_first_eos(encoder2, output2.last_hidden_state, flat2, tokenizer2.eos_token_id)
-    return merge_chunks(hidden1, chunks), merge_chunks(hidden2, chunks), pooled[::chunks]
+    hidden1, hidden2 = merge_chunks(hidden1, chunks), merge_chunks(hidden2, chunks)
+    if weighted:
+        hidden1, hidden2 = apply_token_weights(hidden1, weights1), apply_token_weights(hidden2, weights2)
+    return hidden1, hidden2, pooled[::chunks]
 
 
-def encode_sdxl(tokenizers, text_encoders, captions: list[str], max_token_length: Optional[int] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDXL conditioning for the UNet: (both hidden states concatenated, pooled output of encoder 2)."""
-    hidden1, hidden2, pooled = encode_sdxl_parts(tokenizers, text_encoders, captions, max_token_length)
+def encode_sdxl(tokenizers, text_encoders, captions: list[str], max_token_length: Optional[int] = None,
+                weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDXL conditioning for the UNet: (both hidden states concatenated, pooled output of encoder 2);
+    ``weighted``: see :func:`encode_sdxl_parts`."""
+    hidden1, hidden2, pooled = encode_sdxl_parts(tokenizers, text_encoders, captions, max_token_length, weighted)
     return torch.cat([hidden1, hidden2.to(hidden1.dtype)], dim=-1), pooled

@@ -1,10 +1,117 @@
-"""Step scalars for scripts and GUIs: a JSON-lines file next to accelerate's trackers."""
+"""Where step scalars go: accelerate's trackers (tensorboard, wandb) and a JSON-lines file.
+
+Flag names and behaviour follow kohya-ss sd-scripts (``--logging_dir``, ``--log_with``,
+``--log_prefix``, ``--log_tracker_name``, ``--log_tracker_config``, ``--log_config``,
+``--wandb_run_name``, ``--wandb_api_key``); ``--log_jsonl`` is ours.
+"""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import math
 import os
+import time
 from typing import Any, Mapping, Optional
+
+import toml
+
+from library.errors import UserError
+
+DEFAULT_TRACKER_NAME = "network_train"
+# Never sent to a tracker by --log_config: secrets. Paths are left out too (see logged_config).
+_SECRETS = frozenset({"wandb_api_key", "huggingface_token"})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The logging options shared by every trainer."""
+    add = parser.add_argument
+    add("--logging_dir", type=str, default=None, help="folder for tracker logs (tensorboard)")
+    add("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
+        help="trackers to log to (default tensorboard when --logging_dir is given)")
+    add("--log_prefix", type=str, default=None, help="prefix of the tracker log folder name")
+    add("--log_tracker_name", type=str, default=None, help=f"tracker project name (default {DEFAULT_TRACKER_NAME})")
+    add("--log_tracker_config", type=str, default=None,
+        help="TOML file of tracker init options, by tracker name (e.g. [wandb] entity = ...); "
+             "replaces the --wandb_run_name setting as in kohya")
+    add("--log_config", action="store_true",
+        help="send the run's options to the trackers (secrets and paths left out)")
+    add("--wandb_run_name", type=str, default=None, help="wandb run name (set WANDB_MODE=offline to log offline)")
+    add("--wandb_api_key", type=str, default=None,
+        help="log in to wandb with this key before training (never written to configs or trackers)")
+    add("--log_jsonl", type=str, default=None,
+        help="also write every step's scalars as JSON lines to this file (for scripts and GUIs)")
+
+
+def tracker_names(args: argparse.Namespace) -> Optional[list[str]]:
+    """accelerate tracker names for ``--log_with``; a tracker whose package is missing is a UserError."""
+    if args.log_with == "all":
+        names = ["tensorboard", "wandb"]
+    elif args.log_with:
+        names = [args.log_with]
+    else:
+        return ["tensorboard"] if args.logging_dir else None
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--log_with {args.log_with}: wandb is not installed (pip install wandb; WANDB_MODE=offline "
+                        f"logs without network), or use --log_with tensorboard")
+    if "tensorboard" in names and not args.logging_dir:
+        raise UserError(f"--log_with {args.log_with} needs --logging_dir DIR for the tensorboard event files")
+    return names
+
+
+def tracker_dir(args: argparse.Namespace) -> Optional[str]:
+    """The run's tracker folder: ``<logging_dir>/<log_prefix><YYYYmmddHHMMSS>`` (kohya's layout)."""
+    if not args.logging_dir:
+        return None
+    return os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    """Refuse a missing tracker package or an unreadable ``--log_tracker_config`` before anything loads."""
+    tracker_names(args)
+    tracker_init_kwargs(args)
+
+
+def tracker_init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-tracker init options: ``--log_tracker_config``'s file, else the wandb run name."""
+    if args.log_tracker_config:
+        try:
+            return toml.load(args.log_tracker_config)
+        except (OSError, toml.TomlDecodeError) as error:
+            raise UserError(f"--log_tracker_config {args.log_tracker_config}: cannot read it as TOML ({error})")
+    return {"wandb": {"name": args.wandb_run_name}} if args.wandb_run_name else {}
+
+
+def logged_config(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The options ``--log_config`` sends to the trackers: plain values (lists and others as
+    text), without secrets and without paths, which may name people or places (kohya drops
+    a fixed list of path options; this drops every value that looks like a path)."""
+    if not args.log_config:
+        return None
+
+    def is_path(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(is_path(item) for item in value)
+        return isinstance(value, str) and ("/" in value or "\\" in value or os.path.exists(value))
+
+    config = {}
+    for key, value in vars(args).items():
+        if key in _SECRETS or is_path(value):
+            continue
+        config[key] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    return config
+
+
+def init_trackers(accelerator: Any, args: argparse.Namespace) -> None:
+    """Start the trackers on the main process (after ``--wandb_api_key`` login when given)."""
+    if not accelerator.is_main_process:
+        return
+    if args.wandb_api_key and "wandb" in (tracker_names(args) or []):
+        import wandb
+
+        wandb.login(key=args.wandb_api_key)
+    accelerator.init_trackers(args.log_tracker_name or DEFAULT_TRACKER_NAME, config=logged_config(args),
+                              init_kwargs=tracker_init_kwargs(args))
 
 
 class JsonlLog:

@@ -18,7 +18,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -46,6 +46,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", type=str, default=None,
                         help="state folder to resume from, or 'auto': the newest intact state of this "
                              "--output_dir/--output_name (start fresh when there is none)")
+    parser.add_argument("--initial_step", type=int, default=None,
+                        help="start counting at this optimizer step (without a state: the weights, optimizer and "
+                             "LR schedule start fresh); training runs until --max_train_steps")
+    parser.add_argument("--initial_epoch", type=int, default=None,
+                        help="start at the beginning of this epoch (1 = the first); --initial_step wins")
+    parser.add_argument("--skip_until_initial_step", action="store_true",
+                        help="with --initial_step, also skip the batches of the steps before it in its epoch "
+                             "(default: the data starts at the beginning of that epoch)")
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    for flag in ("initial_step", "initial_epoch"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "initial_step" else 1):
+            raise UserError(f"--{flag} {value} must be at least {0 if flag == 'initial_step' else 1}")
+        if value is not None and args.resume:
+            raise UserError(f"--{flag} and --resume exclude each other: a resume continues at its state's step")
+
+
+def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Progress") -> "Progress":
+    """``fresh`` moved to where ``--initial_step``/``--initial_epoch`` start a run (kohya's meaning).
+
+    The global step and epoch start there, so step-keyed saves, logs and the end at
+    ``--max_train_steps`` line up with a longer run; the data of each epoch is the same as in
+    that run (keyed by seed and epoch). ``steps_per_epoch``: optimizer steps in one epoch.
+    """
+    if args.initial_step is not None:
+        step = args.initial_step
+    elif args.initial_epoch is not None:
+        step = (args.initial_epoch - 1) * steps_per_epoch
+    else:
+        return fresh
+    if step >= args.max_train_steps:
+        raise UserError(f"the initial step {step} (--initial_step/--initial_epoch) must be below "
+                        f"--max_train_steps {args.max_train_steps}")
+    step_in_epoch = step % steps_per_epoch if args.skip_until_initial_step else 0
+    return replace(fresh, global_step=step, epoch=1 + step // steps_per_epoch,
+                   batches_done=step_in_epoch * args.gradient_accumulation_steps)
 
 
 def step_state_name(output_name: str, step: int) -> str:
@@ -82,12 +120,16 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "model": os.path.basename(str(model).rstrip("/\\")),
         "model_size": model_size,
         "network_module": args.network_module,
+        "base_weights": [os.path.basename(path) for path in args.base_weights or []],
+        "base_weights_multiplier": list(args.base_weights_multiplier or []),
         "network_dim": args.network_dim,
         "network_alpha": args.network_alpha,
         "network_args": sorted(args.network_args or []),
         "network_train_unet_only": bool(args.network_train_unet_only),
         "network_train_text_encoder_only": bool(args.network_train_text_encoder_only),
         "mixed_precision": args.mixed_precision,
+        "full_fp16": bool(args.full_fp16),
+        "full_bf16": bool(args.full_bf16),
         "train_batch_size": args.train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "resolution": args.resolution,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
@@ -140,6 +141,16 @@ def _is_linear_like(module: torch.nn.Module) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class MaxNormStats:
+    """What ``LoRANetwork.apply_max_norm_regularization`` did: 0-dim tensors on the network's
+    device, so that reading them (``.item()``, only when logging) is the caller's choice of sync."""
+
+    keys_scaled: torch.Tensor  # int64: number of modules scaled down
+    mean_norm: torch.Tensor  # mean over modules of ||delta W||_F after scaling
+    max_norm: torch.Tensor  # max over modules of the same
+
+
 class LoRANetwork(torch.nn.Module):
     """All LoRA modules for one UNet and its text encoders.
 
@@ -209,6 +220,7 @@ class LoRANetwork(torch.nn.Module):
             if lora.lora_name in self._modules:
                 raise ValueError(f"duplicate LoRA module name {lora.lora_name}")
             self.add_module(lora.lora_name, lora)
+        self._max_norm_groups: Optional[list[list[LoRAModule]]] = None  # see apply_max_norm_regularization
 
     # -- wiring --------------------------------------------------------------------
     def apply_to(self, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
@@ -219,6 +231,7 @@ class LoRANetwork(torch.nn.Module):
         if not apply_unet:
             self._drop(self.unet_loras)
             self.unet_loras = []
+        self._max_norm_groups = None  # the module lists may have changed
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.apply_to()
 
@@ -257,6 +270,55 @@ class LoRANetwork(torch.nn.Module):
             params = [p for lora in self.unet_loras for p in lora.parameters()]
             groups.append({"params": params, "lr": unet_lr if unet_lr is not None else default_lr})
         return groups
+
+    # -- max-norm regularisation (--scale_weight_norms) --------------------------------
+    @torch.no_grad()
+    def apply_max_norm_regularization(self, max_norm: float) -> MaxNormStats:
+        """Scale down every LoRA module whose weight change is larger than ``max_norm``.
+
+        Same result as kohya's ``apply_max_norm_regularization``: with ``W = up @ down * alpha / rank``
+        (conv weights flattened to ``(out, rank)`` @ ``(rank, in*kh*kw)``), a module with
+        ``||W||_F > max_norm`` gets both weights multiplied in place by ``sqrt(max_norm / ||W||_F)``,
+        so its ``||W||_F`` becomes ``max_norm``; the others are left bit-identical. Returns the
+        number of modules scaled and the mean and max of ``||W||_F`` after scaling, as device
+        tensors: nothing here waits for the GPU, as this runs after every optimizer step.
+        """
+        if self._max_norm_groups is None:
+            # Modules whose flattened (out, rank, k) shapes agree are stacked for one bmm; the
+            # modules are fixed once built (apply_to resets this), so group them only once.
+            groups: dict[tuple[int, int, int], list[LoRAModule]] = {}
+            for lora in self.text_encoder_loras + self.unet_loras:
+                up, down = lora.lora_up.weight, lora.lora_down.weight
+                groups.setdefault((up.shape[0], down.shape[0], down[0].numel()), []).append(lora)
+            self._max_norm_groups = list(groups.values())
+        loras = [lora for group in self._max_norm_groups for lora in group]  # the order of `norms`
+        if not loras:
+            zero = torch.zeros(())
+            return MaxNormStats(zero.long(), zero, zero)
+
+        unscaled = []  # ||up @ down||_F / rank per module, group by group
+        for group in self._max_norm_groups:
+            rank = group[0].lora_dim
+            # Weights are read here, not cached: .to() and load_state_dict(assign=True) replace tensors.
+            up = torch.stack([lora.lora_up.weight.reshape(-1, rank) for lora in group]).float()
+            down = torch.stack([lora.lora_down.weight.reshape(rank, -1) for lora in group]).float()
+            # ||U D||_F^2 = trace(U^T U D D^T) = sum((U^T U) * (D D^T)): two rank x rank Gram
+            # matrices instead of the (out x k) product.
+            squared = (torch.bmm(up.mT, up) * torch.bmm(down, down.mT)).sum((1, 2))
+            unscaled.append(squared.clamp(min=0).sqrt() / rank)  # clamp: rounding can dip below 0
+        # alpha from the buffer, as kohya reads it from the state dict (it is what the file holds).
+        norms = torch.cat(unscaled) * torch.stack([lora.alpha for lora in loras]).float().abs()
+
+        # kohya's arithmetic: ratio is exactly 1 unless norm > max_norm, and max_norm / norm then.
+        clamped = norms.clamp(min=max_norm / 2)
+        ratio = clamped.clamp(max=max_norm) / clamped
+        # Multiplying by sqrt(1) = 1 leaves a weight bit-identical, so every module is multiplied
+        # and no Python branch on a device value is needed.
+        factors = list(ratio.sqrt().unbind())
+        torch._foreach_mul_([lora.lora_up.weight for lora in loras], factors)
+        torch._foreach_mul_([lora.lora_down.weight for lora in loras], factors)
+        scaled_norms = norms * ratio
+        return MaxNormStats((ratio != 1).sum(), scaled_norms.mean(), scaled_norms.max())
 
     # -- files ---------------------------------------------------------------------
     def lora_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:

@@ -92,9 +92,10 @@ def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind
 
 
 def merge_into_models(models: model_loading.StableDiffusionModels, loras: Sequence[tuple[str, Mapping]],
-                      ratios: Sequence[float]) -> int:
+                      ratios: Sequence[float], flag: str = "--models") -> int:
     """Add each LoRA's ratio-weighted delta to the matching weights of ``models`` in place.
-    Returns the number of modules changed. UserError when a LoRA key matches no module."""
+    Returns the number of modules changed. UserError (naming ``flag`` and the file) when a LoRA
+    key matches no module."""
     unet_names = checkpoint_keys.unet_module_name_map(models.unet.config) if models.is_sdxl else None
     changed = 0
     for (path, weights), ratio in zip(loras, ratios):
@@ -103,18 +104,29 @@ def merge_into_models(models: model_loading.StableDiffusionModels, loras: Sequen
         found = {lora.lora_name: lora for lora in network.text_encoder_loras + network.unet_loras}
         unmatched = sorted(set(modules) - set(found))
         if unmatched:
-            raise UserError(f"--models {path}: {len(unmatched)} LoRA module(s) match nothing in --sd_model "
+            raise UserError(f"{flag} {path}: {len(unmatched)} LoRA module(s) match nothing in the model "
                             f"(first: {unmatched[0]}); is it a LoRA for this kind of model ({models.kind})?")
         with torch.no_grad():
             for name, parts in modules.items():
                 target = found[name]._org_module[0]
                 delta = lora_delta(parts, torch.float32)
                 if delta.shape != target.weight.shape:
-                    raise UserError(f"--models {path}: {name} gives a {tuple(delta.shape)} change for a "
+                    raise UserError(f"{flag} {path}: {name} gives a {tuple(delta.shape)} change for a "
                                     f"{tuple(target.weight.shape)} weight")
                 target.weight += (ratio * delta).to(target.weight.dtype)
                 changed += 1
     return changed
+
+
+def merge_base_weights(models: model_loading.StableDiffusionModels, paths: Sequence[str],
+                       multipliers: Optional[Sequence[float]]) -> None:
+    """``--base_weights``: merge LoRA files into the frozen models before training (kohya's order:
+    before the trained network is created). A file without a multiplier gets 1.0."""
+    multipliers = list(multipliers or [])
+    for index, path in enumerate(paths):
+        multiplier = multipliers[index] if index < len(multipliers) else 1.0
+        changed = merge_into_models(models, [(path, read_lora_file(path))], [multiplier], flag="--base_weights")
+        print(f"merged {path} into the base model ({changed} modules, multiplier {multiplier})")
 
 
 def merge_loras(loras: Sequence[tuple[str, Mapping[str, torch.Tensor]]], ratios: Sequence[float]

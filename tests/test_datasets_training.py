@@ -82,7 +82,11 @@ def test_gui_dataset_config_trains_end_to_end(tiny_models, gui_dataset, capsys):
         metadata = file.metadata()
     assert metadata["ss_num_train_images"] == "8" and metadata["ss_num_reg_images"] == "3"
     dirs = json.loads(metadata["ss_dataset_dirs"])
-    assert dirs["20_sks dog"] == {"n_repeats": 2, "img_count": 3} and dirs["1_dog"]["img_count"] == 3
+    # kohya leaves regularisation folders out of ss_dataset_dirs with a config file; ss_datasets has them
+    assert dirs["20_sks dog"] == {"n_repeats": 2, "img_count": 3} and "1_dog" not in dirs
+    reg_subsets = [subset for dataset in json.loads(metadata["ss_datasets"]) for subset in dataset["subsets"]
+                   if subset.get("is_reg")]
+    assert [(subset["image_dir"], subset["img_count"]) for subset in reg_subsets] == [("1_dog", 3)]
 
 
 def test_cached_run_writes_and_reuses_caches(tiny_models, gui_dataset):

@@ -13,7 +13,7 @@ from conftest import model_args, run_trainer
 
 from library.errors import UserError
 from networks import check_lora_weights, resize_lora
-from networks.lora import lora_delta, lora_modules, read_lora_file, save_lora_file
+from networks.lora import lora_delta, lora_modules, read_lora_file
 from tools import show_metadata
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

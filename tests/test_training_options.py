@@ -1,7 +1,6 @@
 """Training options users pass every day: continuing from weights, bf16, epochs and rotation, dropouts, wandb."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -103,6 +103,8 @@ class BucketRule:
         self.max_area = resolution_wh[0] * resolution_wh[1]
         self.no_upscale = bool(enable_bucket and no_upscale)
         self.steps = steps
+        # kohya's dataset reports these (None without buckets) in its LoRA metadata.
+        self.min_reso, self.max_reso = (min_reso, max_reso) if enable_bucket else (None, None)
         if not enable_bucket:
             self.table = [self.resolution_wh]
         elif self.no_upscale:

@@ -35,7 +35,7 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
     if getattr(args, "cache_text_encoder_outputs", False):
         def encode_parts(captions: list[str]):
             return text_encoding.encode_sdxl_parts(models.tokenizers, models.text_encoders, captions,
-                                                   args.max_token_length)
+                                                   args.max_token_length, weighted=args.weighted_captions)
 
         autocast = torch.autocast(accelerator.device.type, dtype=autocast_dtype,
                                   enabled=args.mixed_precision != "no")
@@ -43,6 +43,7 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
             dataset.text_store = text_cache.cache_text_encoder_outputs(
                 dataset.plan.images, encode_parts, text_cache.text_encoders_fingerprint(models.text_encoders),
                 args.max_token_length,
+                weighted_captions=args.weighted_captions,
                 # one writer: other processes encode into memory
                 to_disk=args.cache_text_encoder_outputs_to_disk and accelerator.is_main_process,
             )

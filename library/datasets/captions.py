@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -73,6 +73,20 @@ def read_caption_file(image_path: str, caption_extension: str, enable_wildcard: 
             return "\n".join(line.strip() for line in lines if line.strip())
         return lines[0].strip()
     return None
+
+
+def count_tags(counts: dict[str, int], texts: Iterable[str]) -> None:
+    """Add each text's tags to ``counts`` as kohya's ``set_tag_frequency`` does for ss_tag_frequency.
+
+    kohya splits at "," whatever ``caption_separator`` is, strips and lower-cases each
+    tag and counts every occurrence (a tag twice in one caption counts twice); an image's
+    repeats do not count.
+    """
+    for text in texts:
+        for tag in text.split(","):
+            tag = tag.strip().lower()
+            if tag:
+                counts[tag] = counts.get(tag, 0) + 1
 
 
 def _split_tags(text: str, separator: str) -> list[str]:

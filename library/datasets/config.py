@@ -188,6 +188,7 @@ class DatasetSpec:
     prior_loss_weight: float
     is_finetuning: bool
     where: str
+    resize_interpolation: Optional[str] = None  # the dataset's own value (kohya's metadata reports it)
     subsets: list[SubsetSpec] = field(default_factory=list)
 
 
@@ -336,6 +337,7 @@ def build_specs(user_config: dict, args: argparse.Namespace, source: str) -> lis
             prior_loss_weight=float(values["prior_loss_weight"]),
             is_finetuning=any("metadata_file" in subset for subset in subsets),
             where=dataset_where,
+            resize_interpolation=values["resize_interpolation"],
         )
         _check_dataset(spec, values)
         for subset_index, subset in enumerate(subsets):

@@ -34,7 +34,7 @@ from library.datasets import text_cache
 from library.datasets.buckets import center_crop_top_left, random_crop_top_left, sdxl_crop_top_left
 from library.datasets.captions import process_caption
 from library.datasets.images import INTERPOLATIONS, color_augment, ensure_size, load_image, resize_crop_flip
-from library.datasets.plan import Plan, PlannedImage, dataset_dirs_metadata, plan_datasets
+from library.datasets.plan import Plan, PlannedImage, base_name, plan_datasets
 from library.datasets.sources import dreambooth_subsets_from_folders
 from library.errors import UserError
 
@@ -143,8 +143,24 @@ class TrainDataset(torch.utils.data.Dataset):
     def num_reg_images(self) -> int:
         return sum(dataset.num_reg_images for dataset in self.plan.datasets)
 
-    def dataset_dirs(self) -> dict[str, dict[str, int]]:
-        return dataset_dirs_metadata(self.plan)
+    def dataset_dirs(self, reg: bool = False) -> dict[str, dict[str, int]]:
+        """kohya's ``ss_dataset_dirs`` of a folder run (``ss_reg_dataset_dirs`` with ``reg``):
+        folder (or metadata file) name -> {"n_repeats": the subset's own repeats, "img_count"}."""
+        return {
+            base_name(subset.spec.name): {"n_repeats": subset.spec.num_repeats, "img_count": subset.img_count}
+            for dataset in self.plan.datasets
+            for subset in dataset.subsets
+            if subset.spec.is_reg == reg
+        }
+
+    def tag_frequency(self) -> dict[str, dict[str, int]]:
+        """kohya's ``ss_tag_frequency``: folder name -> tag -> count over raw captions, reg folders
+        included; a folder used by several datasets is taken from the first (kohya's merge)."""
+        merged: dict[str, dict[str, int]] = {}
+        for dataset in self.plan.datasets:
+            for folder, counts in dataset.tag_frequency.items():
+                merged.setdefault(folder, counts)
+        return merged
 
     # -- epoch order -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

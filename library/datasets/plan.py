@@ -9,10 +9,14 @@ training, or skipped with a warning under ``--skip_bad_images``.
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
 
 from library.datasets import buckets as bucket_rules
+from library.datasets.captions import count_tags
 from library.datasets.config import DatasetSpec, SubsetSpec
 from library.datasets.images import BadImageError, probe_image
 from library.datasets.sources import ImageRecord, balance_regularization, list_subset_images, write_info_cache
@@ -40,6 +44,14 @@ class PlannedImage:
 
 
 @dataclass
+class PlannedSubset:
+    """A subset that takes part (repeats >= 1, some usable image): kohya's ``dataset.subsets``."""
+
+    spec: SubsetSpec
+    img_count: int  # its usable images; for reg subsets also those balancing leaves unused (kohya)
+
+
+@dataclass
 class DatasetPlan:
     """One dataset's images and its samples grouped by bucket (each list of sample ids is sorted)."""
 
@@ -48,6 +60,29 @@ class DatasetPlan:
     bucket_samples: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     num_train_images: int = 0  # with repeats, as kohya counts them
     num_reg_images: int = 0
+    subsets: list[PlannedSubset] = field(default_factory=list)
+    # kohya's ``tag_frequency``: folder (or metadata file) name -> tag -> count, reg folders included.
+    tag_frequency: dict[str, dict[str, int]] = field(default_factory=dict)
+    min_bucket_reso: Optional[int] = None  # on the step grid; None without enable_bucket (kohya)
+    max_bucket_reso: Optional[int] = None
+
+    def bucket_info(self) -> Optional[dict[str, Any]]:
+        """kohya's ``bucket_info``, None without enable_bucket.
+
+        ``{"buckets": {i: {"resolution": (w, h), "count": samples}}, "mean_img_ar_error": e}``:
+        i numbers the used buckets in sorted order, counts include repeats (reg images with
+        their balanced repeats), e is the mean |bucket aspect - image aspect| over images
+        without repeats (0 when there are none).
+        """
+        if not self.spec.enable_bucket:
+            return None
+        buckets = {
+            index: {"resolution": bucket, "count": len(self.bucket_samples[bucket])}
+            for index, bucket in enumerate(sorted(self.bucket_samples))
+        }
+        errors = [image.aspect_error for image in self.images]
+        mean_error = float(np.mean(np.abs(np.array(errors)))) if errors else 0
+        return {"buckets": buckets, "mean_img_ar_error": mean_error}
 
 
 @dataclass
@@ -68,16 +103,19 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
     sample_images: list[int] = []
     for dataset_index, spec in enumerate(specs):
         rule = _bucket_rule(spec, min_bucket_steps)
-        plan = DatasetPlan(spec)
+        plan = DatasetPlan(spec, min_bucket_reso=rule.min_reso, max_bucket_reso=rule.max_reso)
         train_records, reg_records = [], []
         for subset_index, subset in enumerate(spec.subsets):
             if subset.num_repeats < 1:
                 print(f"{subset.where}: ignoring the subset, num_repeats {subset.num_repeats} is less than 1")
                 continue
             records = _probe_sizes(list_subset_images(subset, subset_index), subset, skip_bad_images)
+            # Before the emptiness check: kohya records an empty folder as {} too.
+            count_tags(plan.tag_frequency.setdefault(base_name(subset.name), {}), _tag_texts(subset, records))
             if not records:
                 print(f"{subset.where}: ignoring the subset, {subset.name} has no usable images")
                 continue
+            plan.subsets.append(PlannedSubset(subset, len(records)))
             count = len(records) * subset.num_repeats
             if subset.is_reg:
                 plan.num_reg_images += count
@@ -117,6 +155,19 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
     if not any(plan.num_train_images for plan in plans):
         raise UserError("only regularisation images found: add training images (is_reg = false)")
     return Plan(plans, images, sample_images)
+
+
+def base_name(path: str) -> str:
+    """A folder's or file's own name, as kohya's metadata keys it (a trailing slash is ignored)."""
+    return os.path.basename(os.path.normpath(path))
+
+
+def _tag_texts(subset: SubsetSpec, records: list[ImageRecord]) -> list[str]:
+    """What kohya counts tags in: a DreamBooth image's raw caption (class tokens when it has no
+    caption file); a fine-tuning entry's "tags" only, longest image key first."""
+    if subset.metadata_file is None:
+        return [record.caption for record in records]
+    return [record.tags for record in sorted(records, key=lambda record: record.tags_order) if record.tags]
 
 
 def _bucket_rule(spec: DatasetSpec, min_bucket_steps: int) -> bucket_rules.BucketRule:
@@ -164,16 +215,3 @@ def variants_by_path(images: list[PlannedImage], key) -> dict[str, set]:
     for image in images:
         variants[image.path].add(key(image))
     return variants
-
-
-def dataset_dirs_metadata(plan: Plan) -> dict[str, dict[str, int]]:
-    """kohya's ``ss_dataset_dirs``: folder name -> repeats and image count."""
-    info: dict[str, dict[str, int]] = {}
-    for dataset in plan.datasets:
-        counts: Counter = Counter(image.subset.name for image in dataset.images)
-        for subset in dataset.spec.subsets:
-            if counts[subset.name]:
-                info[os.path.basename(os.path.normpath(subset.name))] = {
-                    "n_repeats": subset.num_repeats, "img_count": counts[subset.name]}
-    return info
-

@@ -29,6 +29,10 @@ class ImageRecord:
     size_wh: Optional[tuple[int, int]]
     subset_index: int
     num_repeats: int
+    # Fine-tuning only: the entry's "tags", which kohya counts for ss_tag_frequency (DreamBooth
+    # counts the caption), and the entry's place in kohya's order (longest image key first).
+    tags: Optional[str] = None
+    tags_order: int = 0
 
 
 def dreambooth_subsets_from_folders(train_data_dir: Optional[str], reg_data_dir: Optional[str]) -> list[dict]:
@@ -141,6 +145,7 @@ def _finetuning_images(subset: SubsetSpec, subset_index: int) -> list[ImageRecor
     if not isinstance(metadata, dict):
         raise UserError(f"{subset.where}: metadata_file {path} must map image names to {{\"caption\": ...}}")
     records = []
+    kohya_order = {key: rank for rank, key in enumerate(sorted(metadata, key=len, reverse=True))}
     for image_key in sorted(metadata):
         entry = metadata[image_key] or {}
         image_path = _resolve_image(image_key, subset, path)
@@ -155,7 +160,7 @@ def _finetuning_images(subset: SubsetSpec, subset_index: int) -> list[ImageRecor
                 caption = (caption + subset.captions.caption_separator if caption else "") + tags
         size = entry.get("image_size")
         records.append(ImageRecord(image_path, caption, tuple(size) if size else None, subset_index,
-                                   subset.num_repeats))
+                                   subset.num_repeats, tags or None, kohya_order[image_key]))
     return records
 
 

@@ -6,8 +6,9 @@ otherwise the cache would train on captions the run did not ask for, so the run 
 refused before any model is loaded. Captions are encoded with the trainer's own
 function (``library.text_encoding``), so cached and uncached runs condition the UNet
 identically. Disk files are kohya's ``<stem>_te_outputs.npz`` (``hidden_state1``,
-``hidden_state2``, ``pool2``) plus ``cache_meta`` (caption, max_token_length, text
-encoder fingerprint); a file whose metadata differs is rebuilt, never used.
+``hidden_state2``, ``pool2``) plus ``cache_meta`` (caption, max_token_length,
+weighted_captions, text encoder fingerprint); a file whose metadata differs is rebuilt,
+never used.
 """
 from __future__ import annotations
 
@@ -110,8 +111,10 @@ def cache_text_encoder_outputs(
     max_token_length: Optional[int],
     to_disk: bool,
     batch_size: int = 8,
+    weighted_captions: bool = False,
 ) -> TextOutputStore:
-    """Encode each distinct caption once with ``encode_parts`` (captions -> hidden1, hidden2, pooled)."""
+    """Encode each distinct caption once with ``encode_parts`` (captions -> hidden1, hidden2, pooled).
+    ``max_token_length`` and ``weighted_captions`` say how ``encode_parts`` encodes: files made otherwise are stale."""
     store = TextOutputStore()
     captions_by_path: dict[str, set[str]] = {}
     for image in images:
@@ -126,7 +129,8 @@ def cache_text_encoder_outputs(
             if len(captions_by_path[image.path]) == 1 and disk_path_of[caption] is None:
                 disk_path_of[caption] = _npz_path(image)
     meta_of = {caption: {"format": CACHE_FORMAT, "caption": caption, "max_token_length": max_token_length,
-                         "text_encoders": fingerprint} for caption in disk_path_of}
+                         "weighted_captions": weighted_captions, "text_encoders": fingerprint}
+               for caption in disk_path_of}
     pending = []
     for caption, path in disk_path_of.items():
         cached = _read_fresh(path, meta_of[caption]) if path else None

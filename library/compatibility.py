@@ -1,0 +1,127 @@
+"""kohya-ss options that front-ends and presets pass, handled the way this trainer works.
+
+kohya_ss GUI and most shared ``.bat``/``.sh`` presets pass ``--xformers`` or ``--sdpa``,
+DeepSpeed and Hugging Face upload options with empty values, and so on. Every such option
+is accepted here with kohya's name, type and default, so a command line or TOML file written
+for sd-scripts parses. What each one does here:
+
+* attention (``--xformers``, ``--sdpa``, ``--mem_eff_attn``): see :func:`select_attention`;
+* ``--caption_extention``: kohya's old misspelling, copied to ``--caption_extension``;
+* options with nothing to do here (the reason is in their help): accepted, no effect;
+* options this trainer cannot honour: refused with one line when set to anything but
+  their default (:func:`refuse_unsupported`), never silently ignored; their sub-options
+  (``--zero_stage``, ``--huggingface_token``, ...) are inert without them, as in kohya.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any, Callable
+
+from library.errors import UserError
+
+# dest -> why it cannot be honoured here (the whole error after the flag). Refused only when set.
+UNSUPPORTED: dict[str, str] = {
+    "deepspeed": "DeepSpeed is not supported here; multi-GPU runs use accelerate launch or torchrun",
+    "fp8_base": "fp8 base weights are not supported; use --mixed_precision fp16 or bf16",
+    "fp8_base_unet": "fp8 base weights are not supported; use --mixed_precision fp16 or bf16",
+    "cpu_offload_checkpointing": "offloading checkpointed activations to the CPU is not supported here; "
+                                 "--gradient_checkpointing alone is",
+    "torch_compile": "torch.compile is not supported here",
+    "huggingface_repo_id": "uploading to the Hugging Face Hub is not supported; upload the output files yourself",
+    "save_state_to_huggingface": "uploading to the Hugging Face Hub is not supported",
+    "resume_from_huggingface": "resuming from the Hugging Face Hub is not supported; download the state and "
+                               "pass its folder to --resume",
+    "face_crop_aug_range": "face-centred crop augmentation is not supported here",
+    "dataset_class": "custom dataset classes are not supported; use --dataset_config",
+    "conditioning_data_dir": "ControlNet conditioning images are not supported by LoRA training",
+    "token_warmup_step": "caption token warm-up is not supported here",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the kohya options described in the module docstring (kohya's names and defaults)."""
+    group = parser.add_argument_group("kohya compatibility")
+    add = group.add_argument
+    add("--xformers", action="store_true",
+        help="xformers attention in the UNet when the xformers package and a CUDA device are present; "
+             "otherwise torch's scaled_dot_product_attention (the default here, similar memory use)")
+    add("--sdpa", action="store_true", help="torch's scaled_dot_product_attention: the default here")
+    add("--mem_eff_attn", action="store_true",
+        help="memory-efficient attention: here torch's scaled_dot_product_attention (the default)")
+    add("--caption_extention", type=str, default=None,
+        help="kohya's old misspelling of --caption_extension; when given it sets --caption_extension")
+    add("--disable_mmap_load_safetensors", action="store_true",
+        help="accepted, no effect: model files are always read without memory mapping here")
+    add("--skip_cache_check", action="store_true",
+        help="accepted, no effect: cache files are checked by a small metadata entry only (no content is read)")
+    add("--ddp_timeout", type=int, default=None,
+        help="timeout in minutes for collective operations between processes (default: torch's)")
+    add("--ddp_gradient_as_bucket_view", action="store_true",
+        help="accepted, no effect: gradients are summed with one flat all-reduce, without DDP buckets")
+    add("--ddp_static_graph", action="store_true",
+        help="accepted, no effect: gradients are summed with one flat all-reduce, without DDP")
+    add("--use_safetensors", action="store_true",
+        help="accepted, no effect: LoRA files are safetensors unless --save_model_as says otherwise")
+
+    def refused(flag: str, **kwargs: Any) -> None:
+        add(flag, **kwargs, help=f"refused: {UNSUPPORTED[flag.lstrip('-')]}")
+
+    def inert(flag: str, needs: str, **kwargs: Any) -> None:
+        add(flag, **kwargs, help=f"accepted, no effect (used only with {needs}, which is not supported)")
+
+    for flag in ("--deepspeed", "--fp8_base", "--fp8_base_unet", "--cpu_offload_checkpointing",
+                 "--torch_compile", "--save_state_to_huggingface", "--resume_from_huggingface"):
+        refused(flag, action="store_true")
+    for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
+        refused(flag, type=str, default=None)
+    refused("--token_warmup_step", type=float, default=0)
+    inert("--token_warmup_min", "--token_warmup_step", type=int, default=1)
+    inert("--dynamo_backend", "--torch_compile", type=str, default="inductor")
+    inert("--zero_stage", "--deepspeed", type=int, default=2)
+    for flag in ("--offload_optimizer_device", "--offload_optimizer_nvme_path", "--offload_param_device",
+                 "--offload_param_nvme_path"):
+        inert(flag, "--deepspeed", type=str, default=None)
+    for flag in ("--zero3_init_flag", "--zero3_save_16bit_model", "--fp16_master_weights_and_gradients"):
+        inert(flag, "--deepspeed", action="store_true")
+    for flag in ("--huggingface_repo_type", "--huggingface_path_in_repo", "--huggingface_token",
+                 "--huggingface_repo_visibility"):
+        inert(flag, "--huggingface_repo_id", type=str, default=None)
+    inert("--async_upload", "--huggingface_repo_id", action="store_true")
+    add("--fused_backward_pass", action="store_true",
+        help="accepted, no effect: a full fine-tuning option (sdxl_train.py), ignored by LoRA training as in kohya")
+
+
+def refuse_unsupported(args: argparse.Namespace) -> None:
+    """UserError naming the first option set to a value this trainer cannot honour (see ``UNSUPPORTED``).
+    Their defaults are all falsy (off, none, 0), so anything truthy was asked for."""
+    for dest, reason in UNSUPPORTED.items():
+        value = getattr(args, dest)
+        if value:
+            shown = f"--{dest}" if value is True else f"--{dest} {value}"
+            raise UserError(f"{shown}: {reason}")
+
+
+def apply_aliases(args: argparse.Namespace) -> None:
+    """``--caption_extention`` (kohya's old spelling) sets ``--caption_extension``, as in kohya."""
+    if args.caption_extention is not None:
+        args.caption_extension = args.caption_extention
+        args.caption_extention = None
+
+
+def select_attention(args: argparse.Namespace, unet: Any, device_type: str, announce: Callable[[str], None]) -> str:
+    """Set the UNet's attention implementation from ``--xformers``; returns ``"xformers"`` or ``"sdpa"``.
+
+    diffusers already uses torch's scaled_dot_product_attention, which picks a flash or
+    memory-efficient kernel by itself, so ``--sdpa`` and ``--mem_eff_attn`` change nothing.
+    ``--xformers`` needs the xformers package and a CUDA device; without them the run goes
+    on with SDPA after one line saying so (a GUI preset should not fail on a CPU machine).
+    """
+    if not args.xformers:
+        return "sdpa"
+    if device_type == "cuda" and importlib.util.find_spec("xformers") is not None:
+        unet.enable_xformers_memory_efficient_attention()
+        return "xformers"
+    missing = "the xformers package is not installed" if device_type == "cuda" else "xformers needs a CUDA device"
+    announce(f"--xformers: {missing}; using torch's scaled_dot_product_attention instead")
+    return "sdpa"

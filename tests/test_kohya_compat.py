@@ -1,0 +1,252 @@
+"""kohya-ss options that GUIs and presets pass: accepted, honoured, or refused in one line."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from conftest import model_args, run_trainer
+
+from library import compatibility, config_file
+from library.errors import exit_on_user_error
+from networks import lora
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def args_for(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    return model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--seed", "3", "--max_data_loader_n_workers", "0",
+        "--network_train_unet_only", "--network_dim", "4", *extra,
+    ]
+
+
+def train_expecting_user_error(argv: list[str], capsys) -> str:
+    capsys.readouterr()  # only this run's output
+    with pytest.raises(SystemExit) as exited:
+        exit_on_user_error(lambda: run_trainer("sdxl_train_network", argv))
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    return error
+
+
+def grad_log_rows(output_dir: Path) -> list[dict[str, str]]:
+    with open(output_dir / "gradient_logs+last.txt", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), "pt") as file:
+        return file.metadata()
+
+
+def jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_gui_command_line_with_inert_kohya_options_trains(tiny_models, demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "2",
+        "--xformers", "--sdpa", "--mem_eff_attn", "--disable_mmap_load_safetensors", "--skip_cache_check",
+        "--ddp_timeout", "5", "--ddp_gradient_as_bucket_view", "--ddp_static_graph", "--fused_backward_pass",
+        "--use_safetensors", "--zero_stage", "2", "--dynamo_backend", "inductor", "--token_warmup_min", "1",
+        "--token_warmup_step", "0", "--huggingface_repo_type", "model",
+    ))
+    assert (output_dir / "last.safetensors").is_file()
+    # no CUDA here: --xformers falls back to SDPA and says so in one line
+    assert "--xformers: xformers needs a CUDA device; using torch's scaled_dot_product_attention" in \
+        capsys.readouterr().out
+
+
+def test_select_attention_keeps_sdpa_without_cuda(tiny_models):
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from library.model_loading import load_models
+
+    models = load_models(str(tiny_models["sdxl_file"]), sdxl=True, model_config_dir=str(tiny_models["sdxl_config"]),
+                         tokenizer_cache_dir=str(tiny_models["tokenizers"]))
+    messages: list[str] = []
+    for flags in ([], ["--sdpa"], ["--mem_eff_attn"], ["--xformers"]):
+        parser = config_file.argparse.ArgumentParser()
+        compatibility.add_arguments(parser)
+        chosen = compatibility.select_attention(parser.parse_args(flags), models.unet, "cpu", messages.append)
+        assert chosen == "sdpa"
+        assert {type(p) for p in models.unet.attn_processors.values()} == {AttnProcessor2_0}
+    assert len(messages) == 1 and messages[0].startswith("--xformers")
+
+
+def test_misspelled_caption_extention_sets_caption_extension():
+    parser = config_file.argparse.ArgumentParser()
+    parser.add_argument("--caption_extension", default=".caption")
+    compatibility.add_arguments(parser)
+    args = parser.parse_args(["--caption_extention", ".txt"])
+    compatibility.apply_aliases(args)
+    assert args.caption_extension == ".txt" and args.caption_extention is None
+    args = parser.parse_args([])
+    compatibility.apply_aliases(args)
+    assert args.caption_extension == ".caption"
+
+
+@pytest.mark.parametrize("dest", sorted(compatibility.UNSUPPORTED))
+def test_unsupported_option_is_refused_by_name(dest, tiny_models, demo_dataset, tmp_path, capsys):
+    parser = config_file.argparse.ArgumentParser()
+    compatibility.add_arguments(parser)
+    action = next(action for action in parser._actions if action.dest == dest)
+    value = [] if action.nargs == 0 else ["0.5" if action.type is float else "x"]
+    output_dir = tmp_path / "out"
+    error = train_expecting_user_error(
+        args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "1", f"--{dest}", *value), capsys)
+    assert error.startswith(f"error: --{dest}") and compatibility.UNSUPPORTED[dest] in error
+    assert not output_dir.exists()  # refused before anything was written
+
+
+def test_gui_toml_with_default_values_of_unsupported_options_is_accepted(tmp_path):
+    import train_network
+
+    config = tmp_path / "gui.toml"
+    config.write_text('deepspeed = false\nfp8_base = false\nhuggingface_repo_id = ""\ntoken_warmup_step = 0\n'
+                      'torch_compile = false\nxformers = true\ncaption_extention = ".txt"\n')
+    args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
+    compatibility.refuse_unsupported(args)  # nothing asked for is unsupported
+    assert args.xformers is True
+
+
+def test_save_n_epoch_ratio_sets_the_epoch_interval(tiny_models, demo_dataset, tmp_path):
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_epochs", "4", "--save_n_epoch_ratio", "2"))
+    files = sorted(path.name for path in output_dir.glob("*.safetensors"))
+    assert files == ["last-000002.safetensors", "last.safetensors"]  # 4 epochs // 2 -> every 2 epochs
+
+
+@pytest.mark.parametrize("skip_until, expected_epochs", [(True, ["2", "2", "2", "3"]), (False, ["2", "2", "2", "2"])])
+def test_initial_step_starts_the_count_and_epoch(skip_until, expected_epochs, tiny_models, demo_dataset, tmp_path):
+    # 4 images, batch 1: 4 steps per epoch. Starting at step 5 is epoch 2 with one batch done.
+    output_dir = tmp_path / "out"
+    extra = ["--skip_until_initial_step"] if skip_until else []
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "9", "--initial_step", "5", "--grad_norm_log",
+        "--save_every_n_steps", "2", *extra))
+    rows = grad_log_rows(output_dir)
+    assert [row["Step"] for row in rows] == ["6", "7", "8", "9"]
+    # with the skip, epoch 2 has 3 batches left; without, it is trained from its first batch
+    assert [row["Epoch"] for row in rows] == expected_epochs
+    assert sorted(path.name for path in output_dir.glob("*.safetensors")) == [
+        "last-step00000006.safetensors", "last-step00000008.safetensors", "last.safetensors"]
+    assert file_metadata((output_dir / "last.safetensors"))["ss_steps"] == "9"
+
+
+def test_initial_epoch_and_refusals(tiny_models, demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "6", "--initial_epoch", "2", "--grad_norm_log"))
+    rows = grad_log_rows(output_dir)
+    assert [(row["Epoch"], row["Step"]) for row in rows] == [("2", "5"), ("2", "6")]
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "a", "--max_train_steps", "4", "--initial_step", "4"), capsys)
+    assert "--max_train_steps 4" in error
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "b", "--initial_step", "2", "--resume", "auto"), capsys)
+    assert "--initial_step" in error and "--resume" in error
+
+
+def test_base_weights_train_on_the_merged_model(tiny_models, demo_dataset, tmp_path, capsys):
+    first = tmp_path / "first"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, first, "--max_train_steps", "3", "--learning_rate", "5e-2"))
+    base_lora = first / "last.safetensors"
+    merged = tmp_path / "merged.safetensors"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "merge_lora.py"),
+                             "--sd_model", str(tiny_models["sdxl_file"]),
+                             "--model_config_dir", str(tiny_models["sdxl_config"]),
+                             "--save_to", str(merged), "--models", str(base_lora), "--ratios", "0.5"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+    def first_loss(name: str, model_file: Path, *extra: str) -> float:
+        argv = args_for(tiny_models, demo_dataset, tmp_path / name, "--max_train_steps", "1",
+                        "--log_jsonl", str(tmp_path / f"{name}.jsonl"), *extra)
+        argv[argv.index("--pretrained_model_name_or_path") + 1] = str(model_file)
+        run_trainer("sdxl_train_network", argv)
+        return jsonl_rows(tmp_path / f"{name}.jsonl")[0]["loss/current"]
+
+    # The new LoRA starts as a no-op (lora_up = 0), so the first loss is the merged model's.
+    with_base_weights = first_loss("with", tiny_models["sdxl_file"], "--base_weights", str(base_lora),
+                                   "--base_weights_multiplier", "0.5")
+    from_merged_file = first_loss("merged", merged)
+    plain = first_loss("plain", tiny_models["sdxl_file"])
+    assert with_base_weights == pytest.approx(from_merged_file, rel=1e-5, abs=1e-6)
+    assert abs(with_base_weights - plain) > 1e-4
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "c", "--base_weights", str(base_lora), "--base_weights_multiplier",
+        "0.5", "0.5"), capsys)
+    assert "--base_weights_multiplier" in error
+
+
+@pytest.mark.parametrize("flag, precision, dtype, optimizer_args", [
+    ("--full_fp16", "fp16", torch.float16, ["--optimizer_args", "eps=1e-4"]),  # AdamW's 1e-8 is 0 in fp16
+    ("--full_bf16", "bf16", torch.bfloat16, []),
+])
+def test_full_half_precision_trains_the_lora_in_that_dtype(flag, precision, dtype, optimizer_args, tiny_models,
+                                                           demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "3", "--mixed_precision", precision, flag,
+        "--learning_rate", "1e-2", *optimizer_args))
+    weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
+    assert {value.dtype for value in weights.values()} == {dtype}  # saved in the training dtype
+    assert all(torch.isfinite(value.float()).all() for value in weights.values())
+    ups = [value for key, value in weights.items() if key.endswith("lora_up.weight")]
+    assert any(value.abs().max() > 0 for value in ups)  # it did train
+    assert file_metadata((output_dir / "last.safetensors"))["ss_full_fp16"] == str(flag == "--full_fp16")
+    other = "bf16" if precision == "fp16" else "fp16"
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "x", "--mixed_precision", other, flag), capsys)
+    assert error == f"error: {flag} needs --mixed_precision {precision} (got {other})"
+
+
+def test_full_fp16_refuses_an_eps_that_is_zero_in_fp16(tiny_models, demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "1", "--mixed_precision", "fp16", "--full_fp16"),
+        capsys)
+    assert error.startswith("error: --optimizer_type AdamW computes in float16 (--full_fp16), where its eps 1e-08 is 0")
+    assert not list(output_dir.glob("*.safetensors"))
+
+
+def test_scale_weight_norms_caps_every_module(tiny_models, demo_dataset, tmp_path):
+    output_dir = tmp_path / "out"
+    max_norm = 0.02
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "4", "--learning_rate", "5e-2",
+        "--scale_weight_norms", str(max_norm), "--log_jsonl", str(tmp_path / "steps.jsonl")))
+    weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
+    norms = [float(torch.linalg.matrix_norm(lora.lora_delta(parts).reshape(parts["up"].shape[0], -1)))
+             for parts in lora.lora_modules(weights).values()]
+    assert max(norms) <= max_norm * (1 + 1e-4)
+    rows = jsonl_rows(tmp_path / "steps.jsonl")
+    assert rows[-1]["max_norm/keys_scaled"] > 0  # at this learning rate the cap binds
+    assert rows[-1]["max_norm/max_key_norm"] <= max_norm * (1 + 1e-4)
+    assert file_metadata((output_dir / "last.safetensors"))["ss_scale_weight_norms"] == str(max_norm)
+
+
+def test_log_config_and_tracker_config(tiny_models, demo_dataset, tmp_path):
+    tracker_config = tmp_path / "trackers.toml"
+    tracker_config.write_text('[tensorboard]\nfilename_suffix = ".tiny"\n')
+    logging_dir = tmp_path / "logs"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "1", "--logging_dir", str(logging_dir),
+        "--log_config", "--log_tracker_config", str(tracker_config), "--wandb_api_key", "secret-key"))
+    # the init option reached the tracker's writer (the hparams writer in a subfolder is torch's own)
+    assert [path.name.endswith(".tiny") for path in logging_dir.glob("*/network_train/events.out.tfevents.*")] == [True]
+    hparams = "\n".join(path.read_text() for path in logging_dir.rglob("hparams.yml"))
+    assert "network_dim: 4" in hparams  # --log_config sent the options
+    assert "secret-key" not in hparams and str(tmp_path) not in hparams  # but no secrets or paths
