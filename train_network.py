@@ -271,6 +271,8 @@ class NetworkTrainer:
             args.max_train_steps = args.max_train_epochs * steps_per_epoch
         num_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
         lora_files.apply_epoch_ratio(args, num_epochs)
+        dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, accelerator.num_processes,
+                                                  args.max_train_steps)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
         scaler = loss_scaling.create_loss_scaler(args, device)
         guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
@@ -355,7 +357,8 @@ class NetworkTrainer:
                                    step=progress_state.global_step)
             while progress_state.global_step < args.max_train_steps:
                 epoch = progress_state.epoch
-                dataset.set_epoch(epoch)
+                first_step = progress_state.global_step - progress_state.batches_done // args.gradient_accumulation_steps
+                dataset.set_epoch(epoch, first_step)
                 sampler.start_at(progress_state.batches_done)
                 network.train()
                 batches = iter(dataloader)

@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, str] = {
     "face_crop_aug_range": "face-centred crop augmentation is not supported here",
     "dataset_class": "custom dataset classes are not supported; use --dataset_config",
     "conditioning_data_dir": "ControlNet conditioning images are not supported by LoRA training",
-    "token_warmup_step": "caption token warm-up is not supported here",
 }
 
 
@@ -75,8 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)
-    refused("--token_warmup_step", type=float, default=0)
-    inert("--token_warmup_min", "--token_warmup_step", type=int, default=1)
     inert("--dynamo_backend", "--torch_compile", type=str, default="inductor")
     inert("--zero_stage", "--deepspeed", type=int, default=2)
     for flag in ("--offload_optimizer_device", "--offload_optimizer_nvme_path", "--offload_param_device",

@@ -429,3 +429,40 @@ def test_cache_info_and_in_json(tmp_path):
     dataset = dataset_from("--in_json", str(tmp_path / "meta.json"), "--train_data_dir", str(tmp_path / "data" / "1_x"),
                            "--resolution", "64", "--dataset_repeats", "3")
     assert dataset.plan.images[0].caption == "from json" and len(dataset) == 3
+
+
+# -- token warm-up -----------------------------------------------------------------------------
+def test_token_warmup_keeps_a_growing_prefix_of_the_flexible_tags():
+    options = CaptionOptions(keep_tokens=1, token_warmup_min=1, token_warmup_step=8)
+    caption = "sks, a, b, c, d"  # keep_tokens=1: "sks" is fixed, 4 flexible tags
+    rng = np.random.default_rng(0)
+    kept = [process_caption(options, caption, 1, rng, step=step) for step in (0, 2, 4, 6, 8, 100)]
+    # floor(step * (4 - 1) / 8) + 1 flexible tags while step < 8, then all of them
+    assert kept == ["sks, a", "sks, a", "sks, a, b", "sks, a, b, c", "sks, a, b, c, d", "sks, a, b, c, d"]
+    fraction = CaptionOptions(token_warmup_min=2, token_warmup_step=0.5)  # half of 20 steps
+    assert process_caption(fraction, "a, b, c, d, e, f", 1, rng, step=5, max_train_steps=20) == "a, b, c, d"
+    assert process_caption(fraction, "a, b, c, d, e, f", 1, rng, step=10, max_train_steps=20) == "a, b, c, d, e, f"
+    assert CaptionOptions(token_warmup_step=4).is_random  # captions change with the step: no text cache
+
+
+def test_token_warmup_follows_each_batch_optimizer_step(tmp_path):
+    from library.datasets.dataset import StepLayout
+
+    for index in range(4):
+        write_image(tmp_path / "2_sks" / f"{index}.png", (64, 64), caption="sks, a, b, c, d, e")
+    dataset = dataset_from("--train_data_dir", str(tmp_path), "--caption_extension", ".txt", "--resolution", "64",
+                           "--keep_tokens", "1", "--token_warmup_step", "6")
+    assert len(dataset) == 8
+    # two processes, two micro-batches per step: batch index i trains in step first + i // 2 // 2
+    dataset.step_layout = StepLayout(accumulation_steps=2, world_size=2, max_train_steps=20)
+    dataset.set_epoch(2, first_step=2)
+    tag_counts = [len(dataset[index]["captions"][0].split(", ")) for index in range(8)]
+    steps = [2 + index // 4 for index in range(8)]
+    assert tag_counts == [1 + (step * 4) // 6 + 1 for step in steps]  # fixed "sks" + warm-up share of 5 tags
+
+
+def test_token_warmup_refuses_a_text_encoder_cache(tmp_path):
+    write_image(tmp_path / "1_sks" / "0.png", (64, 64), caption="sks, a, b")
+    with pytest.raises(UserError, match="token_warmup_step"):
+        dataset_from("--train_data_dir", str(tmp_path), "--caption_extension", ".txt", "--resolution", "64",
+                     "--token_warmup_step", "4", "--cache_text_encoder_outputs", "--network_train_unet_only")

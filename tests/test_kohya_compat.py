@@ -250,3 +250,12 @@ def test_log_config_and_tracker_config(tiny_models, demo_dataset, tmp_path):
     hparams = "\n".join(path.read_text() for path in logging_dir.rglob("hparams.yml"))
     assert "network_dim: 4" in hparams  # --log_config sent the options
     assert "secret-key" not in hparams and str(tmp_path) not in hparams  # but no secrets or paths
+
+
+def test_token_warmup_trains_with_workers(tiny_models, demo_dataset, tmp_path):
+    output_dir = tmp_path / "out"
+    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "3", "--token_warmup_step", "0.5",
+                    "--token_warmup_min", "1", "--gradient_accumulation_steps", "2")
+    argv[argv.index("--max_data_loader_n_workers") + 1] = "1"  # the step reaches a worker process
+    run_trainer("sdxl_train_network", argv)
+    assert file_metadata(output_dir / "last.safetensors")["ss_steps"] == "3"

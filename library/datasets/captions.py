@@ -1,4 +1,5 @@
-"""Caption files and kohya's caption transforms (prefix/suffix, dropout, wildcards, shuffle, tag dropout).
+"""Caption files and kohya's caption transforms (prefix/suffix, dropout, wildcards, token warm-up,
+shuffle, tag dropout).
 
 ``process_caption`` follows kohya-ss sd-scripts' ``process_caption`` step by step;
 the only difference is the randomness: every draw comes from the generator it is
@@ -7,6 +8,7 @@ on batch size, worker count or the order samples are loaded in.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ class CaptionOptions:
     caption_dropout_rate: float = 0.0
     caption_dropout_every_n_epochs: int = 0
     caption_tag_dropout_rate: float = 0.0
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0  # steps, or a fraction (< 1) of --max_train_steps
 
     @property
     def is_random(self) -> bool:
@@ -44,6 +48,7 @@ class CaptionOptions:
             or self.caption_dropout_every_n_epochs > 0
             or self.caption_tag_dropout_rate > 0
             or self.enable_wildcard
+            or self.token_warmup_step > 0
         )
 
 
@@ -93,8 +98,11 @@ def _split_tags(text: str, separator: str) -> list[str]:
     return [tag.strip() for tag in text.split(separator) if tag.strip()]
 
 
-def process_caption(options: CaptionOptions, caption: str, epoch: int, rng: np.random.Generator) -> str:
-    """The caption a sample is trained with in ``epoch`` (1-based), drawing from ``rng``."""
+def process_caption(options: CaptionOptions, caption: str, epoch: int, rng: np.random.Generator,
+                    step: int = 0, max_train_steps: int = 0) -> str:
+    """The caption a sample is trained with in ``epoch`` (1-based), drawing from ``rng``.
+    ``step`` (optimizer steps done before this sample's step) and ``max_train_steps`` matter
+    only for token warm-up."""
     if options.caption_prefix:
         caption = options.caption_prefix + " " + caption
     if options.caption_suffix:
@@ -113,8 +121,8 @@ def process_caption(options: CaptionOptions, caption: str, epoch: int, rng: np.r
     else:
         caption = caption.split("\n")[0]
 
-    if options.shuffle_caption or options.caption_tag_dropout_rate > 0:
-        caption = _shuffle_and_drop_tags(options, caption, rng)
+    if options.shuffle_caption or options.caption_tag_dropout_rate > 0 or options.token_warmup_step > 0:
+        caption = _shuffle_and_drop_tags(options, caption, rng, step, _warmup_steps(options, max_train_steps))
 
     if options.secondary_separator:
         caption = caption.replace(options.secondary_separator, options.caption_separator)
@@ -137,8 +145,16 @@ def _replace_wildcards(caption: str, rng: np.random.Generator) -> str:
     return caption.replace(open_marker, "{").replace(close_marker, "}")
 
 
-def _shuffle_and_drop_tags(options: CaptionOptions, caption: str, rng: np.random.Generator) -> str:
-    """kohya's tag handling: fixed head, shuffled/dropped middle, fixed tail; joined with ", "."""
+def _warmup_steps(options: CaptionOptions, max_train_steps: int) -> int:
+    """Length of kohya's token warm-up in steps (a value below 1 is a fraction of the run); 0 = off."""
+    if 0 < options.token_warmup_step < 1:
+        return math.floor(options.token_warmup_step * max_train_steps)
+    return int(options.token_warmup_step)
+
+
+def _shuffle_and_drop_tags(options: CaptionOptions, caption: str, rng: np.random.Generator, step: int = 0,
+                           warmup_steps: int = 0) -> str:
+    """kohya's tag handling: fixed head, warm-up cut, shuffled/dropped middle, fixed tail; joined with ", "."""
     separator = options.caption_separator
     fixed_head: list[str] = []
     fixed_tail: list[str] = []
@@ -157,6 +173,9 @@ def _shuffle_and_drop_tags(options: CaptionOptions, caption: str, rng: np.random
             fixed_head = tags[: options.keep_tokens]
             flexible = tags[options.keep_tokens :]
 
+    if warmup_steps and step < warmup_steps:  # kohya's token warm-up: min tags at step 0, all at the end
+        minimum = options.token_warmup_min
+        flexible = flexible[: math.floor(step * (len(flexible) - minimum) / warmup_steps) + minimum]
     if options.shuffle_caption:
         flexible = [flexible[i] for i in rng.permutation(len(flexible))]
     if options.caption_tag_dropout_rate > 0:

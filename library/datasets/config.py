@@ -110,7 +110,7 @@ DATASET_DEFAULTS: dict[str, Any] = {
 ARGPARSE_RENAMES = {"train_batch_size": "batch_size", "dataset_repeats": "num_repeats"}
 # Keys of kohya's schema this trainer does not implement: accepted only at their defaults.
 UNSUPPORTED = {
-    "face_crop_aug_range": None, "token_warmup_step": 0, "validation_split": 0.0, "network_multiplier": 1.0,
+    "face_crop_aug_range": None, "validation_split": 0.0, "network_multiplier": 1.0,
 }
 
 
@@ -381,7 +381,7 @@ def _subset_spec(values: dict, where: str, dataset_interpolation: Optional[str])
             raise UserError(f"{where}: {key} = {values[key]!r} is not supported by this trainer (remove it)")
     for key in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         _check(0.0 <= values[key] <= 1.0, where, f"{key} {values[key]} must be between 0 and 1")
-    for key in ("keep_tokens", "caption_dropout_every_n_epochs"):
+    for key in ("keep_tokens", "caption_dropout_every_n_epochs", "token_warmup_min", "token_warmup_step"):
         _check(values[key] >= 0, where, f"{key} {values[key]} must not be negative")
     interpolation = values["resize_interpolation"] or dataset_interpolation
     _check(interpolation is None or interpolation in INTERPOLATIONS, where,
@@ -403,6 +403,8 @@ def _subset_spec(values: dict, where: str, dataset_interpolation: Optional[str])
         caption_dropout_rate=float(values["caption_dropout_rate"]),
         caption_dropout_every_n_epochs=values["caption_dropout_every_n_epochs"],
         caption_tag_dropout_rate=float(values["caption_tag_dropout_rate"]),
+        token_warmup_min=values["token_warmup_min"],
+        token_warmup_step=float(values["token_warmup_step"]),
     )
     return SubsetSpec(
         image_dir=values["image_dir"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -79,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--caption_dropout_rate", type=float, default=0.0, help="probability of an empty caption (default 0)")
     add("--caption_dropout_every_n_epochs", type=int, default=0,
         help="empty captions for the whole epoch every N epochs (default 0: never)")
+    add("--token_warmup_min", type=int, default=1,
+        help="token warm-up: tags kept (after --keep_tokens) at the first step (default 1)")
+    add("--token_warmup_step", type=float, default=0,
+        help="token warm-up: the step at which captions reach all their tags, growing linearly from "
+             "--token_warmup_min; below 1 a fraction of --max_train_steps (default 0: off)")
     add("--caption_tag_dropout_rate", type=float, default=0.0, help="probability of dropping each tag (default 0)")
     add("--color_aug", action="store_true", help="kohya's weak hue/gamma augmentation (not with cached latents)")
     add("--flip_aug", action="store_true", help="mirror images half of the time (cached latents keep both sides)")
@@ -115,6 +121,15 @@ def _seed64(seed: int) -> int:
     return int(seed) & 0xFFFFFFFFFFFFFFFF
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """How batches map to optimizer steps (set by the trainer before the data loader starts)."""
+
+    accumulation_steps: int = 1
+    world_size: int = 1
+    max_train_steps: int = 0
+
+
 class TrainDataset(torch.utils.data.Dataset):
     """Batches of one bucket each; ``set_epoch`` reorders them, also inside persistent workers."""
 
@@ -125,6 +140,9 @@ class TrainDataset(torch.utils.data.Dataset):
         self.text_store = None
         # Workers hold copies of this object; the epoch reaches them through shared memory.
         self._shared_epoch = multiprocessing.Value("i", 1, lock=False)
+        # For token warm-up: the optimizer steps done when the epoch's first batch trains.
+        self._shared_first_step = multiprocessing.Value("q", 0, lock=False)
+        self.step_layout = StepLayout()
         self._order_epoch: Optional[int] = None
         self._batches: list[list[int]] = []
         self.set_epoch(1)
@@ -163,8 +181,10 @@ class TrainDataset(torch.utils.data.Dataset):
         return merged
 
     # -- epoch order -----------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Order the batches for ``epoch`` (1-based); workers pick the new epoch up on their next item."""
+    def set_epoch(self, epoch: int, first_step: int = 0) -> None:
+        """Order the batches for ``epoch`` (1-based), whose first batch trains after ``first_step``
+        optimizer steps; workers pick the new epoch up on their next item."""
+        self._shared_first_step.value = int(first_step)
         self._shared_epoch.value = int(epoch)
         self._order(int(epoch))
 
@@ -198,14 +218,17 @@ class TrainDataset(torch.utils.data.Dataset):
         epoch = self.epoch
         self._order(epoch)
         sample_ids = self._batches[batch_index]
-        samples = [self.make_sample(sample_id, epoch) for sample_id in sample_ids]
+        layout = self.step_layout  # batch i of each process trains in the epoch's step i // accumulation
+        step = self._shared_first_step.value + batch_index // layout.world_size // layout.accumulation_steps
+        samples = [self.make_sample(sample_id, epoch, step) for sample_id in sample_ids]
         return _collate_samples(samples)
 
     def image_of(self, sample_id: int) -> PlannedImage:
         return self.plan.images[self.plan.sample_images[sample_id]]
 
-    def make_sample(self, sample_id: int, epoch: int) -> dict[str, Any]:
-        """One sample of ``epoch``: pixels (or cached latents), conditioning sizes, caption, weight."""
+    def make_sample(self, sample_id: int, epoch: int, step: int = 0) -> dict[str, Any]:
+        """One sample of ``epoch`` trained after ``step`` optimizer steps: pixels (or cached
+        latents), conditioning sizes, caption, weight."""
         image = self.image_of(sample_id)
         subset = image.subset
         image_rng = np.random.default_rng([_seed64(self.seed), epoch, sample_id, _STREAM_IMAGE])
@@ -238,7 +261,8 @@ class TrainDataset(torch.utils.data.Dataset):
             sample["text_encoder_outputs"] = self.text_store.get(image.index)
             sample["caption"] = self.text_store.caption_of[image.index]
         else:
-            sample["caption"] = process_caption(subset.captions, image.caption, epoch, caption_rng)
+            sample["caption"] = process_caption(subset.captions, image.caption, epoch, caption_rng, step,
+                                                self.step_layout.max_train_steps)
         spec = self.plan.datasets[image.dataset_index].spec
         sample["loss_weight"] = spec.prior_loss_weight if image.is_reg else 1.0
         sample["uses_alpha_mask"] = subset.alpha_mask

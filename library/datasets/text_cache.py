@@ -56,6 +56,7 @@ def validate(args: argparse.Namespace, subsets: list[SubsetSpec]) -> None:
             ("caption_dropout_every_n_epochs", options.caption_dropout_every_n_epochs > 0),
             ("caption_tag_dropout_rate", options.caption_tag_dropout_rate > 0),
             ("enable_wildcard", options.enable_wildcard),
+            ("token_warmup_step", options.token_warmup_step > 0),
         ) if on]
         if conflicts:
             raise UserError(f"--cache_text_encoder_outputs cannot be used with {', '.join(conflicts)} "
