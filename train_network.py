@@ -221,6 +221,10 @@ class NetworkTrainer:
         seed_everything(args.seed)
 
         dataset = datasets.build_dataset(args, min_bucket_steps=32 if self.is_sdxl else 64)
+        if args.debug_dataset:
+            for line in dataset.describe_epoch(1):
+                print(line)
+            return
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)

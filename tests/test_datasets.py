@@ -466,3 +466,23 @@ def test_token_warmup_refuses_a_text_encoder_cache(tmp_path):
     with pytest.raises(UserError, match="token_warmup_step"):
         dataset_from("--train_data_dir", str(tmp_path), "--caption_extension", ".txt", "--resolution", "64",
                      "--token_warmup_step", "4", "--cache_text_encoder_outputs", "--network_train_unet_only")
+
+
+def test_debug_dataset_prints_the_first_epoch_without_training(tmp_path, capsys):
+    from conftest import run_trainer
+
+    for index, size in enumerate([(64, 64), (96, 64)]):
+        write_image(tmp_path / "data" / "2_sks" / f"{index}.png", size, caption=f"sks, tag{index}")
+    run_trainer("sdxl_train_network", [
+        "--pretrained_model_name_or_path", str(tmp_path / "no_model_needed.safetensors"), "--debug_dataset",
+        "--train_data_dir", str(tmp_path / "data"), "--caption_extension", ".txt", "--resolution", "64",
+        "--enable_bucket", "--min_bucket_reso", "32", "--max_bucket_reso", "128", "--bucket_reso_steps", "32",
+        "--output_dir", str(tmp_path / "out"), "--seed", "1", "--max_data_loader_n_workers", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    lines = lines[lines.index("epoch 1: 4 batches"):]  # after the bucket summary
+    samples = [line for line in lines if line.startswith("  ") and ".png" in line]
+    assert len(samples) == 4 and sum("1.png" in line for line in samples) == 2  # 2 repeats of each image
+    # the 96x64 image is centre-cropped into the 64x64 bucket
+    assert any('caption: "sks, tag1", original size: (64, 96), crop top left: (0, 16), target size: (64, 64)' in line
+               for line in samples)
+    assert not (tmp_path / "out").exists()  # nothing trained or written

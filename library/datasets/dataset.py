@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--caption_dropout_rate", type=float, default=0.0, help="probability of an empty caption (default 0)")
     add("--caption_dropout_every_n_epochs", type=int, default=0,
         help="empty captions for the whole epoch every N epochs (default 0: never)")
+    add("--debug_dataset", action="store_true",
+        help="print every batch of the first epoch (images, captions, sizes, crops, flips) and exit "
+             "without loading a model or training")
     add("--token_warmup_min", type=int, default=1,
         help="token warm-up: tags kept (after --keep_tokens) at the first step (default 1)")
     add("--token_warmup_step", type=float, default=0,
@@ -222,6 +225,22 @@ class TrainDataset(torch.utils.data.Dataset):
         step = self._shared_first_step.value + batch_index // layout.world_size // layout.accumulation_steps
         samples = [self.make_sample(sample_id, epoch, step) for sample_id in sample_ids]
         return _collate_samples(samples)
+
+    def describe_epoch(self, epoch: int = 1) -> Iterator[str]:
+        """``--debug_dataset``: one line per batch and per sample of ``epoch``, in training order
+        (one process, no accumulation), as kohya's debug_dataset prints them."""
+        self.set_epoch(epoch)
+        yield f"epoch {epoch}: {len(self)} batches"
+        for batch_index in range(len(self)):
+            batch = self[batch_index]
+            shape = tuple((batch["latents"] if "latents" in batch else batch["images"]).shape)
+            yield f"batch {batch_index + 1}/{len(self)}: {shape[0]} x {shape[2]}x{shape[3]} (height x width)"
+            for row, sample_id in enumerate(batch["sample_indices"].tolist()):
+                yield (f"  {self.image_of(sample_id).path}, loss weight: {float(batch['loss_weights'][row])}, "
+                       f"caption: \"{batch['captions'][row]}\", original size: "
+                       f"{tuple(batch['original_sizes_hw'][row].tolist())}, crop top left: "
+                       f"{tuple(batch['crop_top_lefts'][row].tolist())}, target size: "
+                       f"{tuple(batch['target_sizes_hw'][row].tolist())}, flipped: {bool(batch['flipped'][row])}")
 
     def image_of(self, sample_id: int) -> PlannedImage:
         return self.plan.images[self.plan.sample_images[sample_id]]
