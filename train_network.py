@@ -126,12 +126,14 @@ def validate_arguments(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UserError(f"--{flag} {value} must be a positive integer")
-    for flag in ("learning_rate", "unet_lr"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise UserError(f"--{flag} {value} must be a positive number")
-    if args.text_encoder_lr is not None and any(not lr > 0 for lr in args.text_encoder_lr):
-        raise UserError(f"--text_encoder_lr {args.text_encoder_lr}: learning rates must be positive numbers")
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        raise UserError(f"--learning_rate {args.learning_rate} must be a positive number")
+    # kohya: a part whose learning rate is 0 is not trained
+    if args.unet_lr is not None and not args.unet_lr >= 0:
+        raise UserError(f"--unet_lr {args.unet_lr} must be a positive number (0: do not train the UNet)")
+    if args.text_encoder_lr is not None and any(not lr >= 0 for lr in args.text_encoder_lr):
+        raise UserError(f"--text_encoder_lr {args.text_encoder_lr}: learning rates must be positive numbers "
+                        f"(0: do not train that text encoder)")
     for flag, precision in (("full_fp16", "fp16"), ("full_bf16", "bf16")):
         if getattr(args, flag) and args.mixed_precision != precision:
             raise UserError(f"--{flag} needs --mixed_precision {precision} (got {args.mixed_precision})")
@@ -256,7 +258,11 @@ class NetworkTrainer:
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
 
-        param_groups = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        param_groups = network.prepare_optimizer_params(
+            args.text_encoder_lr, args.unet_lr, args.learning_rate,
+            lora.loraplus_ratios(lora.parse_network_args(args.network_args)))
+        if not param_groups:
+            raise UserError("--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train")
         trainable_params = [p for group in param_groups for p in group["params"]]
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
 

@@ -249,26 +249,41 @@ class LoRANetwork(torch.nn.Module):
             lora.multiplier = multiplier
 
     def prepare_optimizer_params(
-        self, text_encoder_lr: Optional[list[float]], unet_lr: Optional[float], default_lr: float
+        self, text_encoder_lr: Optional[list[float]], unet_lr: Optional[float], default_lr: float,
+        loraplus: tuple[Optional[float], Optional[float]] = (None, None),
     ) -> list[dict]:
         """Parameter groups: one per text encoder, one for the UNet (kohya's lr rules).
 
         ``text_encoder_lr`` may hold one value for all text encoders or one per encoder;
-        a missing value falls back to ``default_lr``.
+        a missing value falls back to ``default_lr``. ``loraplus``: the (text encoder, UNet)
+        LoRA+ ratios (see ``loraplus_ratios``): a part with a ratio gets a second group, its
+        lora_up weights at lr * ratio. A part whose lr is 0 is not trained (kohya): its
+        parameters get no group and ``requires_grad`` False.
         """
-        groups = []
+        parts: list[tuple[list[LoRAModule], float, Optional[float]]] = []
         if self.text_encoder_loras:
-            by_prefix: dict[str, list[torch.nn.Parameter]] = {}
+            by_prefix: dict[str, list[LoRAModule]] = {}
             for lora in self.text_encoder_loras:
-                by_prefix.setdefault(lora.lora_name.split("_")[1], []).extend(lora.parameters())
-            for index, params in enumerate(by_prefix.values()):
+                by_prefix.setdefault(lora.lora_name.split("_")[1], []).append(lora)
+            for index, loras in enumerate(by_prefix.values()):
                 lr = default_lr
                 if text_encoder_lr:
                     lr = text_encoder_lr[min(index, len(text_encoder_lr) - 1)]
-                groups.append({"params": params, "lr": lr})
+                parts.append((loras, lr, loraplus[0]))
         if self.unet_loras:
-            params = [p for lora in self.unet_loras for p in lora.parameters()]
-            groups.append({"params": params, "lr": unet_lr if unet_lr is not None else default_lr})
+            parts.append((self.unet_loras, unet_lr if unet_lr is not None else default_lr, loraplus[1]))
+        groups = []
+        for loras, lr, ratio in parts:
+            if lr == 0:
+                for lora in loras:
+                    lora.requires_grad_(False)
+                continue
+            up = [lora.lora_up.weight for lora in loras] if ratio is not None else []
+            up_ids = {id(weight) for weight in up}
+            rest = [p for lora in loras for p in lora.parameters() if id(p) not in up_ids]
+            groups.append({"params": rest, "lr": lr})
+            if up:
+                groups.append({"params": up, "lr": lr * ratio})
         return groups
 
     # -- max-norm regularisation (--scale_weight_norms) --------------------------------
@@ -445,7 +460,20 @@ def _optional_number(network_args: Mapping[str, str], key: str, kind: type):
     return value
 
 
-KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout")
+LORAPLUS_NETWORK_ARGS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
+KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", *LORAPLUS_NETWORK_ARGS)
+# kohya's block-wise options for networks.lora, not implemented here (refused by name, not as unknown).
+BLOCKWISE_NETWORK_ARGS = ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight",
+                          "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold")
+
+
+def loraplus_ratios(network_args: Mapping[str, str]) -> tuple[Optional[float], Optional[float]]:
+    """LoRA+ (kohya's network_args): the (text encoder, UNet) multipliers of the lora_up learning
+    rate; a part-specific ratio wins over ``loraplus_lr_ratio``. None: plain LoRA for that part."""
+    general = _optional_number(network_args, "loraplus_lr_ratio", float)
+    text_encoder = _optional_number(network_args, "loraplus_text_encoder_lr_ratio", float)
+    unet = _optional_number(network_args, "loraplus_unet_lr_ratio", float)
+    return (text_encoder if text_encoder is not None else general, unet if unet is not None else general)
 
 
 def create_network(
@@ -460,6 +488,10 @@ def create_network(
     **network_args: str,
 ) -> LoRANetwork:
     """kohya's ``create_network`` entry point: ``network_args`` are the ``--network_args`` strings."""
+    blockwise = sorted(set(network_args) & set(BLOCKWISE_NETWORK_ARGS))
+    if blockwise:
+        raise UserError(f"--network_args {blockwise[0]}: block-wise ranks and learning rates are not supported "
+                        f"by this trainer (supported: {', '.join(KNOWN_NETWORK_ARGS)})")
     unknown = sorted(set(network_args) - set(KNOWN_NETWORK_ARGS))
     if unknown:
         raise UserError(f"--network_args: unknown key {unknown[0]} (valid: {', '.join(KNOWN_NETWORK_ARGS)})")

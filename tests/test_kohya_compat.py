@@ -259,3 +259,47 @@ def test_token_warmup_trains_with_workers(tiny_models, demo_dataset, tmp_path):
     argv[argv.index("--max_data_loader_n_workers") + 1] = "1"  # the step reaches a worker process
     run_trainer("sdxl_train_network", argv)
     assert file_metadata(output_dir / "last.safetensors")["ss_steps"] == "3"
+
+
+def test_loraplus_multiplies_the_lora_up_learning_rate(tiny_models, demo_dataset, tmp_path):
+    # One plain SGD step without clipping: the update is lr * gradient, so LoRA+'s lora_up
+    # update is exactly ratio times the plain one (lora_down gets no gradient at step 1).
+    def first_step(name: str, *network_args: str) -> dict[str, torch.Tensor]:
+        output_dir = tmp_path / name
+        run_trainer("sdxl_train_network", args_for(
+            tiny_models, demo_dataset, output_dir, "--max_train_steps", "1", "--optimizer_type", "torch.optim.SGD",
+            "--learning_rate", "1e-2", "--max_grad_norm", "0", "--save_precision", "float",
+            *(["--network_args", *network_args] if network_args else [])))
+        return lora.read_lora_file(str(output_dir / "last.safetensors"))
+
+    plain = first_step("plain")
+    plus = first_step("plus", "loraplus_lr_ratio=16")
+    ups = [key for key in plain if key.endswith("lora_up.weight")]
+    assert any(plain[key].abs().max() > 0 for key in ups)
+    for key in ups:
+        torch.testing.assert_close(plus[key], 16 * plain[key], rtol=1e-5, atol=1e-9)
+    for key in plain:
+        if not key.endswith("lora_up.weight"):
+            assert torch.equal(plus[key], plain[key]), key
+    specific = first_step("specific", "loraplus_lr_ratio=2", "loraplus_unet_lr_ratio=4")  # the UNet ratio wins
+    for key in ups:
+        torch.testing.assert_close(specific[key], 4 * plain[key], rtol=1e-5, atol=1e-9)
+
+
+def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--text_encoder_lr", "0",
+                    "--learning_rate", "1e-2")
+    argv.remove("--network_train_unet_only")
+    run_trainer("sdxl_train_network", argv)
+    weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
+    te_ups = [value for key, value in weights.items() if key.startswith("lora_te") and key.endswith("lora_up.weight")]
+    unet_ups = [value for key, value in weights.items() if key.startswith("lora_unet") and key.endswith("up.weight")]
+    assert te_ups and all(value.abs().max() == 0 for value in te_ups)  # still at its zero initialisation
+    assert any(value.abs().max() > 0 for value in unet_ups)
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", "--unet_lr", "0"), capsys)
+    assert "nothing would train" in error
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=1,1,1"), capsys)
+    assert "--network_args down_lr_weight: block-wise" in error
