@@ -364,6 +364,14 @@ class LoRANetwork(torch.nn.Module):
                     f"--network_weights {path}: {key} has shape {tuple(value.shape)}, this network needs "
                     f"{tuple(own[key].shape)}; pass the file's rank with --network_dim or use --dim_from_weights"
                 )
+            # The modules' output scale was fixed from --network_alpha when they were built; a
+            # different alpha in the file would be saved back while training used the other one.
+            if key.endswith(".alpha") and not math.isclose(float(value), float(own[key]), rel_tol=1e-3):
+                raise UserError(
+                    f"--network_weights {path}: {key} is {float(value):g}, this network's is {float(own[key]):g}; "
+                    f"pass the file's alpha with --network_alpha (conv_alpha for conv modules) or use "
+                    f"--dim_from_weights"
+                )
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=True)
 
 

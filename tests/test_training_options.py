@@ -39,6 +39,16 @@ def test_continue_from_network_weights_and_dim_from_weights(tiny_models, demo_da
             "--max_train_steps", "1")))
     assert exited.value.code == 2
     assert "--network_weights" in capsys.readouterr().err
+    # the same rank with another alpha: training would use one scale and save the other
+    with pytest.raises(SystemExit) as exited:
+        exit_on_user_error(lambda: run_trainer("sdxl_train_network", args_for(
+            tiny_models, demo_dataset, tmp_path / "fourth", "--network_weights", str(weights), "--network_dim", "8",
+            "--max_train_steps", "1")))
+    assert exited.value.code == 2
+    assert "alpha is 4, this network's is 1; pass the file's alpha with --network_alpha" in capsys.readouterr().err
+    run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / "fifth", "--network_weights",
+                                               str(weights), "--network_dim", "8", "--network_alpha", "4",
+                                               "--max_train_steps", "1"))
 
 
 def test_bf16_epochs_rotation_and_dropouts(tiny_models, demo_dataset, tmp_path):
