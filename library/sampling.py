@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from library import tracking
 from library.errors import UserError
 
 SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
@@ -291,7 +292,7 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
     components = [models.unet, models.vae, *models.text_encoders, network]
     mixed = getattr(args, "mixed_precision", "no")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed)
-    written = []
+    written, for_trackers = [], []
     with preserved_training_state(components), torch.no_grad():
         pipeline = build_pipeline(models, make_scheduler(args.sample_sampler, models.scheduler_config,
                                                          getattr(args, "v_parameterization", False)))
@@ -312,5 +313,7 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
             path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)
             image.save(path)
             written.append(path)
+            for_trackers.append((image, prompt.prompt))
+    tracking.log_sample_images(accelerator, for_trackers, step)
     print(f"\nsampled {len(written)} image(s) into {folder} at step {step}", flush=True)
     return written

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import toml
 
 from library.errors import UserError
@@ -112,6 +113,21 @@ def init_trackers(accelerator: Any, args: argparse.Namespace) -> None:
         wandb.login(key=args.wandb_api_key)
     accelerator.init_trackers(args.log_tracker_name or DEFAULT_TRACKER_NAME, config=logged_config(args),
                               init_kwargs=tracker_init_kwargs(args))
+
+
+def log_sample_images(accelerator: Any, images: list[tuple[Any, str]], step: int) -> None:
+    """Send sample images (PIL image, prompt) to the trackers as ``sample_<i>``: wandb with the
+    prompt as caption (kohya's form), tensorboard as an image summary."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({f"sample_{index}": wandb.Image(image, caption=prompt)
+                         for index, (image, prompt) in enumerate(images)}, step=step)
+        elif tracker.name == "tensorboard":
+            for index, (image, _) in enumerate(images):
+                tracker.writer.add_image(f"sample_{index}", np.asarray(image), global_step=step, dataformats="HWC")
+            tracker.writer.flush()
 
 
 class JsonlLog:

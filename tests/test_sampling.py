@@ -133,3 +133,21 @@ def test_epoch_sampling_names_and_bad_prompt_file(tiny_models, demo_dataset, tmp
     with pytest.raises(UserError, match="--sample_prompts"):
         run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, tmp_path / "bad",
                                                      "--sample_prompts", str(bad)))
+
+
+def test_sample_images_reach_the_trackers(tiny_models, demo_dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 1 --d 1\na blue square --w 64 --h 64 --s 1 --d 2\n")
+    logging_dir = tmp_path / "logs"
+    run_trainer("sdxl_train_network", train_args(
+        tiny_models, demo_dataset, tmp_path / "out", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
+        "--max_train_steps", "2", "--logging_dir", str(logging_dir)))
+    images = {}
+    for event_file in logging_dir.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(event_file), size_guidance={"images": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["images"]:
+            images[tag] = [(event.step, event.width, event.height) for event in accumulator.Images(tag)]
+    assert images == {"sample_0": [(2, 64, 64)], "sample_1": [(2, 64, 64)]}

@@ -71,9 +71,14 @@ def test_wandb_logs_offline(tiny_models, demo_dataset, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 1 --d 1\n")
     run_trainer("sdxl_train_network", args_for(
         tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "2", "--log_with", "wandb",
         "--wandb_run_name", "tiny-run", "--log_tracker_name", "tiny-project",
+        "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
     ))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    # the sample image went to wandb as kohya sends it: sample_0
+    assert [path.name.startswith("sample_0") for path in runs[0].rglob("media/images/*.png")] == [True]
