@@ -13,6 +13,12 @@ class UserError(Exception):
     """
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (or its type name), for one-line reports."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Run ``main``; turn a ``UserError`` into one line on stderr and exit code 2."""
     try:

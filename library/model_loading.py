@@ -1,4 +1,4 @@
-"""Load SDXL / SD1.x / SD2.x from a diffusers folder or a single file, and write single files.
+"""Load SDXL / SD1.x / SD2.x from a diffusers folder or a single file.
 
 Everything is loaded in fp32 on the CPU; callers move and cast. A single file
 (``.safetensors`` or ``.ckpt``) is read tensor by tensor into models built on
@@ -10,20 +10,20 @@ from the configs shipped in ``library/model_configs``; names are translated by
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
 from library import checkpoint_keys as ck
 from library.checkpoint_keys import KeyMap, ModelKind, TensorRule
-from library.errors import UserError
+from library.checkpoint_files import CheckpointReader
+from library.clip_tokenizers import load_tokenizers
+from library.errors import UserError, first_line
 
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` is fast
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -32,15 +32,6 @@ if TYPE_CHECKING:  # heavy imports stay lazy so `--help` is fast
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parent / "model_configs"
 SHIPPED_CONFIG_NAMES: dict[str, str] = {"sdxl": "sdxl_base", "sd1": "sd15", "sd2": "sd2_v"}
 
-# Where kohya takes each tokenizer from: (hub repo, subfolder in the repo, pad token).
-# With --tokenizer_cache_dir kohya keeps them in DIR/<repo with "/" -> "_">.
-TOKENIZER_SOURCES: dict[str, list[tuple[str, str | None, str | None]]] = {
-    "sd1": [("openai/clip-vit-large-patch14", None, None)],
-    "sd2": [("stabilityai/stable-diffusion-2", "tokenizer", "!")],
-    "sdxl": [("openai/clip-vit-large-patch14", None, None),
-             ("laion/CLIP-ViT-bigG-14-laion2B-39B-b160k", None, "!")],
-}
-CLIP_MAX_LENGTH = 77
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 _VAE_TOP_LEVEL = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
@@ -199,7 +190,7 @@ def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device
             model = cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
             return model.to(device) if device is not None else model
         except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-            raise UserError(f"{flag}: cannot load {sub}: {_first_line(error)}") from error
+            raise UserError(f"{flag}: cannot load {sub}: {first_line(error)}") from error
 
     unet = load(UNet2DConditionModel, "unet", torch_dtype=torch.float32).eval()
     vae = load(AutoencoderKL, "vae", torch_dtype=torch.float32).eval() if keep_vae else None
@@ -222,124 +213,6 @@ def _only_fp16_weights(folder: Path) -> bool:
 # ---------------------------------------------------------------------------
 # Single files
 # ---------------------------------------------------------------------------
-
-# safetensors dtype names -> torch dtypes read with plain file reads (others go through safe_open).
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class CheckpointReader:
-    """Key, shape and tensor access to one ``.safetensors`` (streamed) or ``.ckpt`` (memory-mapped) file.
-
-    Every read error becomes a ``UserError`` naming ``flag`` and the file. A ``.safetensors``
-    tensor is read with a plain file read into its own buffer, not through the memory map:
-    pages of a map stay resident (``RssFile``) while the file is open, so reading a 7 GB
-    SDXL file through it would add the whole file to the process's peak memory.
-    """
-
-    def __init__(self, path: Path, flag: str):
-        self.path, self.flag = path, flag
-        self._stack = contextlib.ExitStack()
-        try:
-            if path.suffix == ".safetensors":
-                # safe_open validates the header and offsets; the data itself is read by _read_tensor.
-                self._handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-                self._state: Mapping[str, torch.Tensor] | None = None
-                self._keys = list(self._handle.keys())
-                self._file = self._stack.enter_context(open(path, "rb"))
-                header_length = int.from_bytes(self._file.read(8), "little")
-                self._header = json.loads(self._file.read(header_length))
-                self._data_start = 8 + header_length
-                self._scratch: torch.Tensor | None = None
-            else:
-                self._state = _load_pickled_state_dict(path)
-                self._keys = [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
-        except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as error:
-            self._stack.close()
-            raise self._error(error) from error
-
-    def _error(self, error: BaseException) -> UserError:
-        return UserError(f"{self.flag}: {self.path} is not a readable checkpoint (corrupt or truncated?): "
-                         f"{_first_line(error)}")
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        if self._state is not None:
-            return tuple(self._state[key].shape)
-        return tuple(self._handle.get_slice(key).get_shape())
-
-    def get(self, key: str, transient: bool = False) -> torch.Tensor:
-        """The tensor ``key`` as stored. ``transient``: it may share memory with the file or with a
-        buffer reused by the next ``get`` (the caller copies it out), so reading allocates nothing."""
-        try:
-            if self._state is not None:
-                # Clone so no parameter stays backed by the memory-mapped file.
-                return self._state[key] if transient else self._state[key].clone()
-            entry = self._header[key]
-            if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                return self._handle.get_tensor(key)
-            return self._read_tensor(entry, transient)
-        except (SafetensorError, OSError, RuntimeError) as error:
-            raise self._error(error) from error
-
-    def _read_tensor(self, entry: Mapping[str, Any], transient: bool) -> torch.Tensor:
-        begin, end = entry["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-        if transient:
-            # One buffer of the largest tensor's size for the whole file: freed per-tensor
-            # temporaries would leave holes in the heap that the fp32 weights cannot reuse.
-            if self._scratch is None:
-                largest = max(e["data_offsets"][1] - e["data_offsets"][0]
-                              for k, e in self._header.items() if k != "__metadata__")
-                self._scratch = torch.empty(largest, dtype=torch.uint8)
-            tensor = self._scratch[:end - begin].view(dtype).view(entry["shape"])
-        else:
-            tensor = torch.empty(entry["shape"], dtype=dtype)
-        if end == begin:
-            return tensor
-        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        self._file.seek(self._data_start + begin)
-        if self._file.readinto(buffer) != end - begin:
-            raise OSError(f"the file ends inside tensor data (offsets {begin}..{end})")
-        return tensor
-
-    def close(self) -> None:
-        self._state = None
-        self._scratch = None
-        self._stack.close()
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
-    import pickle
-
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "mmap" not in str(error):  # legacy (non-zip) files cannot be memory-mapped
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        # weights_only refuses arbitrary pickled objects; we never unpickle code.
-        raise OSError(f"it holds more than tensors and cannot be read safely; convert it to .safetensors "
-                      f"({_first_line(error)})") from error
-    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
-        checkpoint = checkpoint["state_dict"]
-    if not isinstance(checkpoint, dict):
-        raise OSError("it does not hold a state dict")
-    return checkpoint
-
 
 def detect_checkpoint_kind(keys: Sequence[str]) -> ModelKind | None:
     """Which kind of model a single file holds, from its key names; ``None`` if it has no SD UNet."""
@@ -513,7 +386,7 @@ def load_vae(path: str | os.PathLike, *, vae_config: Mapping[str, Any], flag: st
             return AutoencoderKL.from_pretrained(path, subfolder=subfolder, local_files_only=True,
                                                  torch_dtype=torch.float32).eval()
         except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-            raise UserError(f"{flag}: cannot load a VAE from {path}: {_first_line(error)}") from error
+            raise UserError(f"{flag}: cannot load a VAE from {path}: {first_line(error)}") from error
     with CheckpointReader(path, flag) as reader:
         keys = reader.keys()
         with init_empty_weights(include_buffers=False):
@@ -533,140 +406,6 @@ def load_vae(path: str | os.PathLike, *, vae_config: Mapping[str, Any], flag: st
 
 
 # ---------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------
-
-def _hub_offline() -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def load_tokenizers(kind: ModelKind, *, model_dir: str | os.PathLike | None = None,
-                    tokenizer_cache_dir: str | os.PathLike | None = None) -> list[CLIPTokenizer]:
-    """The CLIP tokenizer(s) of ``kind``, max length 77.
-
-    Looked up in order: ``model_dir/tokenizer`` (``tokenizer_2``), then
-    ``tokenizer_cache_dir/<kohya name>``, then the hub repo kohya uses (only
-    when online; the result is then saved into ``tokenizer_cache_dir`` like
-    kohya does). SDXL tokenizer 2 and SD2's tokenizer pad with ``"!"``.
-    """
-    from transformers import CLIPTokenizer
-
-    tokenizers = []
-    for index, (repo, hub_subfolder, pad_token) in enumerate(TOKENIZER_SOURCES[kind]):
-        local_name = "tokenizer" if index == 0 else f"tokenizer_{index + 1}"
-        cache_name = repo.replace("/", "_")
-        candidates = []
-        if model_dir is not None:
-            candidates.append((Path(model_dir) / local_name, "--pretrained_model_name_or_path/--model_config_dir"))
-        if tokenizer_cache_dir is not None:
-            candidates.append((Path(tokenizer_cache_dir) / cache_name, "--tokenizer_cache_dir"))
-        tokenizer = None
-        for folder, flag in candidates:
-            if folder.is_dir():
-                try:
-                    tokenizer = CLIPTokenizer.from_pretrained(folder, local_files_only=True)
-                except (OSError, ValueError) as error:
-                    raise UserError(f"{flag}: cannot load a CLIP tokenizer from {folder}: "
-                                    f"{_first_line(error)}") from error
-                break
-        if tokenizer is None:
-            tokenizer = _tokenizer_from_hub(repo, hub_subfolder, cache_name, tokenizer_cache_dir)
-        if tokenizer.model_max_length > 1_000_000:  # a bare vocab.json/merges.txt folder has no limit set
-            tokenizer.model_max_length = CLIP_MAX_LENGTH
-        if pad_token is not None:
-            tokenizer = set_pad_token(tokenizer, pad_token)
-        tokenizers.append(tokenizer)
-    return tokenizers
-
-
-def set_pad_token(tokenizer: CLIPTokenizer, pad_token: str) -> CLIPTokenizer:
-    """``tokenizer`` padding with ``pad_token`` while still tokenizing that character in prompts as text.
-
-    open_clip pads SDXL's second prompt (and SD2's) with id 0, ``"!"``, yet reads
-    ``"!!"`` in a prompt as ordinary BPE. transformers 5 registers a configured
-    pad token as a special token and cuts it out of the text, so
-    ``"masterpiece!!"`` would lose its tokens. A tokenizer in that state is
-    rebuilt from its own vocab and merges; the pad token is then set through
-    the attribute, which does not register it. Returns the (possibly new) tokenizer.
-    """
-    from transformers import CLIPTokenizer
-
-    own_specials = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token}
-    if pad_token in tokenizer.get_added_vocab() and pad_token not in own_specials:
-        model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-        tokenizer = CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=tokenizer.model_max_length)
-    tokenizer.pad_token = pad_token
-    return tokenizer
-
-
-def _tokenizer_from_hub(repo: str, subfolder: str | None, cache_name: str,
-                        tokenizer_cache_dir: str | os.PathLike | None):
-    from transformers import CLIPTokenizer
-
-    build_hint = ("build the tokenizers offline with `python tools/build_clip_tokenizers.py --out DIR` "
-                  "and pass --tokenizer_cache_dir DIR")
-    if tokenizer_cache_dir is None:
-        where = "no --tokenizer_cache_dir was given"
-    else:
-        where = f"--tokenizer_cache_dir {tokenizer_cache_dir} has no {cache_name}/ folder"
-    if _hub_offline():
-        raise UserError(f"--tokenizer_cache_dir: no tokenizer for {repo} ({where}, hub is offline); {build_hint}")
-    try:
-        tokenizer = CLIPTokenizer.from_pretrained(repo, subfolder=subfolder)
-    except (OSError, ValueError) as error:
-        raise UserError(f"--tokenizer_cache_dir: no tokenizer for {repo} ({where}) and the hub failed: "
-                        f"{_first_line(error)}; {build_hint}") from error
-    if tokenizer_cache_dir is not None:
-        tokenizer.save_pretrained(Path(tokenizer_cache_dir) / cache_name)
-    return tokenizer
-
-
-# ---------------------------------------------------------------------------
-# Writing single files
-# ---------------------------------------------------------------------------
-
-def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                     metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``models`` as one original-layout ``.safetensors`` file, atomically.
-
-    ``dtype`` casts floating tensors (default: keep). The file is written to a
-    temporary name in the same folder and renamed over ``path``, so readers
-    never see a partial file.
-    """
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise UserError(f"{path}: single files are written as .safetensors only")
-    tensors: dict[str, torch.Tensor] = {}
-    maps = ck.checkpoint_key_maps(models.kind, models.unet, models.vae, models.text_encoders)
-    for model, key_map in maps.values():
-        state = model.state_dict()
-        for rule in key_map.rules:
-            tensor = rule.to_original([state[name].detach() for name in rule.diffusers])
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            tensors[rule.original] = tensor.contiguous()
-    atomic_save_safetensors(tensors, path, metadata)
-
-
-def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
-                            metadata: Mapping[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file`` to a temp file beside ``path``, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(dict(tensors), str(temporary), metadata=dict(metadata) if metadata else None)
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-# ---------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------
 
@@ -679,19 +418,4 @@ def _read_json(path: Path, flag: str, missing: str | None = None) -> dict[str, A
             raise UserError(f"{flag}: {path.parent} {missing}") from None
         raise UserError(f"{flag}: {path} does not exist") from None
     except (OSError, ValueError) as error:
-        raise UserError(f"{flag}: {path} is not readable JSON: {_first_line(error)}") from error
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def iter_model_tensors(models: StableDiffusionModels) -> Iterator[tuple[str, torch.Tensor]]:
-    """(component.name, tensor) for every state-dict tensor of every component (tests, merge tools)."""
-    components = {"unet": models.unet, "vae": models.vae}
-    for index, encoder in enumerate(models.text_encoders):
-        components["text_encoder" if index == 0 else f"text_encoder_{index + 1}"] = encoder
-    for component, model in components.items():
-        for name, tensor in model.state_dict().items():
-            yield f"{component}.{name}", tensor
+        raise UserError(f"{flag}: {path} is not readable JSON: {first_line(error)}") from error

@@ -32,7 +32,7 @@ from typing import Mapping, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from library import checkpoint_keys, model_loading  # noqa: E402
+from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
@@ -83,7 +83,7 @@ def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind
         return "sd2" if args.v2 else "sd1"
     if not path.is_file():
         raise UserError(f"--sd_model {path} does not exist")
-    with model_loading.CheckpointReader(path, "--sd_model") as reader:
+    with checkpoint_files.CheckpointReader(path, "--sd_model") as reader:
         kind = model_loading.detect_checkpoint_kind(reader.keys())
     if kind is None:
         raise UserError(f"--sd_model {path}: not a Stable Diffusion checkpoint with text encoders "
@@ -194,11 +194,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        model_config_dir=args.model_config_dir,
                                        tokenizer_cache_dir=args.tokenizer_cache_dir)
     changed = merge_into_models(models, loras, ratios)
-    bad = next((name for name, tensor in model_loading.iter_model_tensors(models)
+    bad = next((name for name, tensor in checkpoint_files.iter_model_tensors(models)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise UserError(f"the merged model holds NaN/Inf in {bad}; check --models/--ratios")
-    model_loading.save_single_file(models, args.save_to, dtype=save_dtype)
+    checkpoint_files.save_single_file(models, args.save_to, dtype=save_dtype)
     print(f"saved {args.save_to}: {changed} module weights changed ({kind}, {len(loras)} LoRAs)")
 
 

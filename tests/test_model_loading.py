@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from library import checkpoint_keys as ck
+from library import checkpoint_files, clip_tokenizers
 from library import model_loading as ml
 from library.errors import UserError
 
@@ -19,7 +20,7 @@ KINDS = {"sdxl": dict(sdxl=True), "sd15": dict(sdxl=False), "sd2": dict(sdxl=Fal
 
 
 def tensors_of(models: ml.StableDiffusionModels) -> dict[str, torch.Tensor]:
-    return dict(ml.iter_model_tensors(models))
+    return dict(checkpoint_files.iter_model_tensors(models))
 
 
 def assert_identical(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
@@ -74,19 +75,19 @@ def test_sdxl_second_tokenizer_pads_with_bang_but_reads_it_as_text(folder_models
 
 
 def test_tokenizers_from_kohya_cache_dir(tiny_models, folder_models):
-    tokenizers = ml.load_tokenizers("sdxl", tokenizer_cache_dir=tiny_models["tokenizers"])
+    tokenizers = clip_tokenizers.load_tokenizers("sdxl", tokenizer_cache_dir=tiny_models["tokenizers"])
     prompt = "a photo of a cat, best quality!"
     for ours, reference in zip(tokenizers, folder_models["sdxl"].tokenizers):
         assert ours(prompt, padding="max_length", max_length=77).input_ids == \
             reference(prompt, padding="max_length", max_length=77).input_ids
     assert [t.pad_token for t in tokenizers] == ["<|endoftext|>", "!"]
-    (sd2_tokenizer,) = ml.load_tokenizers("sd2", tokenizer_cache_dir=tiny_models["tokenizers"])
+    (sd2_tokenizer,) = clip_tokenizers.load_tokenizers("sd2", tokenizer_cache_dir=tiny_models["tokenizers"])
     assert sd2_tokenizer.pad_token_id == 0
 
 
 def test_missing_tokenizers_offline_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="build_clip_tokenizers.py.*--tokenizer_cache_dir"):
-        ml.load_tokenizers("sdxl", tokenizer_cache_dir=tmp_path)
+        clip_tokenizers.load_tokenizers("sdxl", tokenizer_cache_dir=tmp_path)
 
 
 def test_single_file_with_cache_dir_tokenizers_and_config_without_tokenizers(tiny_models, tmp_path, folder_models):
@@ -112,7 +113,7 @@ def test_ckpt_file_loads_like_safetensors(tiny_models, folder_models, tmp_path):
 
 def test_save_single_file_round_trip_in_fp16(tiny_models, folder_models, tmp_path):
     target = tmp_path / "half.safetensors"
-    ml.save_single_file(folder_models["sdxl"], target, dtype=torch.float16, metadata={"ss_note": "x"})
+    checkpoint_files.save_single_file(folder_models["sdxl"], target, dtype=torch.float16, metadata={"ss_note": "x"})
     assert not list(tmp_path.glob(".*.tmp"))
     with safe_open(str(target), framework="pt") as handle:
         assert handle.metadata() == {"ss_note": "x"}
@@ -321,7 +322,7 @@ def test_build_clip_tokenizers_from_pypi_wheel(tmp_path):
         pytest.skip(f"open_clip_torch wheel not downloadable here: {error}")
     written = bct.build_clip_tokenizers(tmp_path / "cache", wheel=wheel)
     assert set(written) == set(bct.TOKENIZER_FOLDERS)
-    tokenizers = ml.load_tokenizers("sdxl", tokenizer_cache_dir=tmp_path / "cache")
+    tokenizers = clip_tokenizers.load_tokenizers("sdxl", tokenizer_cache_dir=tmp_path / "cache")
     for tokenizer in tokenizers:
         assert len(tokenizer) == 49408
         assert tokenizer("a photo of a cat").input_ids == bct.CHECK_IDS

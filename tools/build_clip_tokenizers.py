@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `library` and `tools` imp
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from library.errors import UserError, exit_on_user_error
-from library.model_loading import set_pad_token
+from library.clip_tokenizers import set_pad_token
 from tools.build_tiny_models import byte_level_characters
 
 BPE_MEMBER = "open_clip/bpe_simple_vocab_16e6.txt.gz"

@@ -27,8 +27,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from library.model_loading import (TOKENIZER_SOURCES, StableDiffusionModels, save_single_file, set_pad_token,
-                                   shipped_config_dir)
+from library.checkpoint_files import save_single_file
+from library.clip_tokenizers import TOKENIZER_SOURCES, set_pad_token
+from library.model_loading import StableDiffusionModels, shipped_config_dir
 
 SEED = 1234
 VOCAB_SIZE = 514

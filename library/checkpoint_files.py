@@ -1,0 +1,187 @@
+"""Single checkpoint files: a streaming reader (``.safetensors`` / ``.ckpt``) and atomic writes.
+
+``CheckpointReader`` reads one tensor at a time with plain file reads, so loading a
+7 GB SDXL file never holds a second copy of it; ``save_single_file`` writes models in
+the original (kohya/A1111) layout through ``library.checkpoint_keys``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from library import checkpoint_keys as ck
+from library.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from library.model_loading import StableDiffusionModels
+
+
+# safetensors dtype names -> torch dtypes read with plain file reads (others go through safe_open).
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointReader:
+    """Key, shape and tensor access to one ``.safetensors`` (streamed) or ``.ckpt`` (memory-mapped) file.
+
+    Every read error becomes a ``UserError`` naming ``flag`` and the file. A ``.safetensors``
+    tensor is read with a plain file read into its own buffer, not through the memory map:
+    pages of a map stay resident (``RssFile``) while the file is open, so reading a 7 GB
+    SDXL file through it would add the whole file to the process's peak memory.
+    """
+
+    def __init__(self, path: Path, flag: str):
+        self.path, self.flag = path, flag
+        self._stack = contextlib.ExitStack()
+        try:
+            if path.suffix == ".safetensors":
+                # safe_open validates the header and offsets; the data itself is read by _read_tensor.
+                self._handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                self._state: Mapping[str, torch.Tensor] | None = None
+                self._keys = list(self._handle.keys())
+                self._file = self._stack.enter_context(open(path, "rb"))
+                header_length = int.from_bytes(self._file.read(8), "little")
+                self._header = json.loads(self._file.read(header_length))
+                self._data_start = 8 + header_length
+                self._scratch: torch.Tensor | None = None
+            else:
+                self._state = _load_pickled_state_dict(path)
+                self._keys = [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
+        except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as error:
+            self._stack.close()
+            raise self._error(error) from error
+
+    def _error(self, error: BaseException) -> UserError:
+        return UserError(f"{self.flag}: {self.path} is not a readable checkpoint (corrupt or truncated?): "
+                         f"{first_line(error)}")
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._state is not None:
+            return tuple(self._state[key].shape)
+        return tuple(self._handle.get_slice(key).get_shape())
+
+    def get(self, key: str, transient: bool = False) -> torch.Tensor:
+        """The tensor ``key`` as stored. ``transient``: it may share memory with the file or with a
+        buffer reused by the next ``get`` (the caller copies it out), so reading allocates nothing."""
+        try:
+            if self._state is not None:
+                # Clone so no parameter stays backed by the memory-mapped file.
+                return self._state[key] if transient else self._state[key].clone()
+            entry = self._header[key]
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                return self._handle.get_tensor(key)
+            return self._read_tensor(entry, transient)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise self._error(error) from error
+
+    def _read_tensor(self, entry: Mapping[str, Any], transient: bool) -> torch.Tensor:
+        begin, end = entry["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        if transient:
+            # One buffer of the largest tensor's size for the whole file: freed per-tensor
+            # temporaries would leave holes in the heap that the fp32 weights cannot reuse.
+            if self._scratch is None:
+                largest = max(e["data_offsets"][1] - e["data_offsets"][0]
+                              for k, e in self._header.items() if k != "__metadata__")
+                self._scratch = torch.empty(largest, dtype=torch.uint8)
+            tensor = self._scratch[:end - begin].view(dtype).view(entry["shape"])
+        else:
+            tensor = torch.empty(entry["shape"], dtype=dtype)
+        if end == begin:
+            return tensor
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        self._file.seek(self._data_start + begin)
+        if self._file.readinto(buffer) != end - begin:
+            raise OSError(f"the file ends inside tensor data (offsets {begin}..{end})")
+        return tensor
+
+    def close(self) -> None:
+        self._state = None
+        self._scratch = None
+        self._stack.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
+    import pickle
+
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):  # legacy (non-zip) files cannot be memory-mapped
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # weights_only refuses arbitrary pickled objects; we never unpickle code.
+        raise OSError(f"it holds more than tensors and cannot be read safely; convert it to .safetensors "
+                      f"({first_line(error)})") from error
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
+        checkpoint = checkpoint["state_dict"]
+    if not isinstance(checkpoint, dict):
+        raise OSError("it does not hold a state dict")
+    return checkpoint
+
+
+def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``models`` as one original-layout ``.safetensors`` file, atomically.
+
+    ``dtype`` casts floating tensors (default: keep). The file is written to a
+    temporary name in the same folder and renamed over ``path``, so readers
+    never see a partial file.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise UserError(f"{path}: single files are written as .safetensors only")
+    tensors: dict[str, torch.Tensor] = {}
+    maps = ck.checkpoint_key_maps(models.kind, models.unet, models.vae, models.text_encoders)
+    for model, key_map in maps.values():
+        state = model.state_dict()
+        for rule in key_map.rules:
+            tensor = rule.to_original([state[name].detach() for name in rule.diffusers])
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            tensors[rule.original] = tensor.contiguous()
+    atomic_save_safetensors(tensors, path, metadata)
+
+
+def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
+                            metadata: Mapping[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` to a temp file beside ``path``, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(dict(tensors), str(temporary), metadata=dict(metadata) if metadata else None)
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def iter_model_tensors(models: StableDiffusionModels) -> Iterator[tuple[str, torch.Tensor]]:
+    """(component.name, tensor) for every state-dict tensor of every component (tests, merge tools)."""
+    components = {"unet": models.unet, "vae": models.vae}
+    for index, encoder in enumerate(models.text_encoders):
+        components["text_encoder" if index == 0 else f"text_encoder_{index + 1}"] = encoder
+    for component, model in components.items():
+        for name, tensor in model.state_dict().items():
+            yield f"{component}.{name}", tensor
