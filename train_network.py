@@ -7,32 +7,35 @@ each concern it touches lives in one ``library/`` module.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import os
 import random
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, send_to_device
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, send_to_device
 from tqdm import tqdm
 
 from library import (
     compatibility, config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise,
     optimizers,
 )
-from library import sampling, sharding, text_encoding, tracking, train_state
+from library import sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
 from library.interrupts import StopRequest
-from library.lora_metadata import dataset_metadata, modelspec_metadata, training_metadata, wall_clock
+from library.lora_metadata import (
+    base_model_metadata, dataset_metadata, modelspec_metadata, training_metadata, wall_clock,
+)
 from library.model_loading import StableDiffusionModels
 from networks import lora, merge_lora
 
@@ -98,6 +101,7 @@ def setup_parser() -> argparse.ArgumentParser:
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
     datasets.add_arguments(parser)
+    validation.add_arguments(parser)
     lora_files.add_arguments(parser)
     add_training_arguments(parser)
     tracking.add_arguments(parser)
@@ -158,6 +162,7 @@ def validate_arguments(args: argparse.Namespace) -> None:
     loss_scaling.validate_arguments(args)
     losses.validate_arguments(args)
     sampling.validate_arguments(args)
+    validation.validate_arguments(args)
     for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
@@ -217,16 +222,6 @@ class NetworkTrainer:
         validate_arguments(args)
         compatibility.apply_aliases(args)
         grad_guard.apply_preset(args, explicit)
-        if args.seed is None:
-            args.seed = random.randint(0, 2**31 - 1)
-            print(f"--seed not given: using {args.seed}")
-        seed_everything(args.seed)
-
-        dataset = datasets.build_dataset(args, min_bucket_steps=32 if self.is_sdxl else 64)
-        if args.debug_dataset:
-            for line in dataset.describe_epoch(1):
-                print(line)
-            return
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
@@ -236,6 +231,18 @@ class NetworkTrainer:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=args.ddp_timeout))]
             if args.ddp_timeout else None,
         )
+        if args.seed is None:
+            args.seed = shared_random_seed(accelerator)
+            print(f"--seed not given: using {args.seed}")
+        seed_everything(args.seed)
+
+        min_bucket_steps = 32 if self.is_sdxl else 64
+        dataset = datasets.build_dataset(args, min_bucket_steps)
+        validation_dataset = datasets.build_validation_dataset(args, dataset, min_bucket_steps)
+        if args.debug_dataset:
+            for line in dataset.describe_epoch(1):
+                print(line)
+            return
         device = accelerator.device
         autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
 
@@ -254,7 +261,7 @@ class NetworkTrainer:
         self.place_models(args, models, device, autocast_dtype, train_text_encoder)
         # kohya's --full_fp16/--full_bf16: the LoRA itself in the autocast dtype (no float32 master copy).
         network.to(device, dtype=autocast_dtype if args.full_fp16 or args.full_bf16 else None)
-        dataset_caching.cache_before_training(args, dataset, models, accelerator, autocast_dtype)
+        dataset_caching.cache_before_training(args, dataset, models, accelerator, autocast_dtype, validation_dataset)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
 
@@ -274,6 +281,9 @@ class NetworkTrainer:
             sampler=sampler,
             collate_fn=datasets.collate_single_batch,
             num_workers=num_workers,
+            # its own generator: each iter() would otherwise draw from the global torch RNG, which
+            # dropout uses, so a resumed run would drop out differently
+            generator=torch.Generator().manual_seed(args.seed),
             persistent_workers=args.persistent_data_loader_workers and num_workers > 0,
         )
         steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
@@ -283,6 +293,8 @@ class NetworkTrainer:
         lora_files.apply_epoch_ratio(args, num_epochs)
         dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, accelerator.num_processes,
                                                   args.max_train_steps)
+        validator = validation.create(args, validation_dataset, accelerator, noise_scheduler.config.num_train_timesteps,
+                                      num_workers)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
         scaler = loss_scaling.create_loss_scaler(args, device)
         guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
@@ -329,15 +341,16 @@ class NetworkTrainer:
                 "training_started_at": progress_state.training_started_at,
                 "num_train_images": dataset.num_train_images,
                 "num_reg_images": dataset.num_reg_images,
+                "num_validation_images": validation_dataset.num_train_images if validation_dataset else 0,
                 "num_batches_per_epoch": len(dataloader),
                 "num_epochs": num_epochs,
                 "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
                 "network_args": lora.parse_network_args(args.network_args),
-                "model_name": os.path.basename(args.pretrained_model_name_or_path.rstrip("/\\")),
             },
         )
         total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
         metadata.update(dataset_metadata(args, dataset, total_batch_size))
+        metadata.update(base_model_metadata(args))
         metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw, progress_state.training_started_at))
         writer = lora_files.LoraWriter(args, metadata)
         tracking.init_trackers(accelerator, args)
@@ -362,6 +375,14 @@ class NetworkTrainer:
         remove_exit_flush = install_flush_handlers(flush_logs, signals=())
         stop = StopRequest(on_force=flush_logs)
         avr_loss = float("nan")
+
+        def validate(kind: str, where: str) -> None:
+            """A validation pass on every process; its scalars are logged at the current step like the step's."""
+            scalars = validator.run(kind, network, functools.partial(self.validation_loss, run), avr_loss, where)
+            accelerator.log(scalars, step=progress_state.global_step)
+            if jsonl is not None:
+                jsonl.append(progress_state.global_step, scalars)
+
         try:
             sampling.sample_images(args, accelerator, models, network, device, when="first",
                                    step=progress_state.global_step)
@@ -408,6 +429,8 @@ class NetworkTrainer:
                                        loss_value, avr_loss, measured, decision, max_norm_logs)
                     if jsonl is not None:
                         jsonl.append(step, logs)
+                    if validator is not None and validator.due_after_step(step):  # before this step's state
+                        validate("step", f"after step {step}")
                     if accelerator.is_main_process:
                         writer.on_step(network, step, epoch)
                         sampling.sample_images(args, accelerator, models, network, device, when="step", step=step)
@@ -420,6 +443,8 @@ class NetworkTrainer:
                 if progress_state.batches_done >= len(dataloader):  # the epoch is complete
                     progress_state.epoch += 1
                     progress_state.batches_done = 0
+                    if validator is not None and validator.due_after_epoch(epoch):
+                        validate("epoch", f"after epoch {epoch} (step {progress_state.global_step})")
                     if accelerator.is_main_process:
                         writer.on_epoch_end(network, progress_state.global_step, epoch,
                                             is_last_epoch=epoch == num_epochs)
@@ -569,16 +594,20 @@ class NetworkTrainer:
                 text_encoder.gradient_checkpointing_enable()
                 text_encoder.train()
 
-    def plan_loss(self, run: "LossContext", batch: dict[str, Any], epoch: int) -> losses.BatchWeights:
-        """The batch's loss weights (per-sample, SNR, mask) without running the model."""
+    def plan_loss(
+        self, run: "LossContext", batch: dict[str, Any], epoch: int, timesteps: Optional[torch.Tensor] = None
+    ) -> losses.BatchWeights:
+        """The batch's loss weights (per-sample, SNR, mask) without running the model; ``timesteps``
+        (long (B,)) replaces the keyed draw (validation's fixed timesteps)."""
         if "latents" in batch:
             latent_hw = tuple(batch["latents"].shape[2:])
         else:
             latent_hw = (batch["images"].shape[2] // 8, batch["images"].shape[3] // 8)
-        timesteps = noise.draw_timesteps(
-            run.args.seed, epoch, batch["sample_indices"].tolist(), run.noise_scheduler.config.num_train_timesteps,
-            run.args.min_timestep, run.args.max_timestep,
-        )
+        if timesteps is None:
+            timesteps = noise.draw_timesteps(
+                run.args.seed, epoch, batch["sample_indices"].tolist(), run.noise_scheduler.config.num_train_timesteps,
+                run.args.min_timestep, run.args.max_timestep,
+            )
         masks = batch.get("alpha_masks")
         mask = None if masks is None else losses.mask_to_latent(masks, latent_hw)
         channels = run.models.unet.config.in_channels
@@ -588,30 +617,48 @@ class NetworkTrainer:
         )
 
     def compute_loss(
-        self, run: "LossContext", batch: dict[str, Any], epoch: int, plan: losses.BatchWeights
+        self, run: "LossContext", batch: dict[str, Any], epoch: int, plan: losses.BatchWeights,
+        timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None,
     ) -> losses.WeightedLoss:
-        """The batch's weighted fp32 loss sum: encode, add keyed noise, predict, compare with the target."""
+        """The batch's weighted fp32 loss sum: encode, add keyed noise, predict, compare with the target.
+
+        The latent sample and the noise are keyed by (``seed`` or ``--seed``, ``epoch``, sample);
+        ``timesteps`` (long (B,), those ``plan`` was made with) replaces the keyed timestep draw.
+        """
         args, models, device = run.args, run.models, run.device
+        seed = args.seed if seed is None else seed
         sample_indices = batch["sample_indices"].tolist()
         with torch.no_grad():
             if "latents" in batch:  # cached VAE mean/std: the same keyed sample as encode_latents
-                latents = cached_latents.sample_cached_latents(batch, args.seed, epoch).to(device)
+                latents = cached_latents.sample_cached_latents(batch, seed, epoch).to(device)
             else:
-                latents = encode_latents(models.vae, batch["images"], args.seed, epoch, sample_indices)
+                latents = encode_latents(models.vae, batch["images"], seed, epoch, sample_indices)
         if "text_encoder_outputs" in batch:  # cached SDXL conditioning (text encoders frozen)
             conditioning = tuple(tensor.to(device) for tensor in batch["text_encoder_outputs"])
         else:
             with nullcontext() if run.train_text_encoder else torch.no_grad():
                 conditioning = self.encode_prompts(args, models, batch["captions"])
         drawn = noise.draw_diffusion_noise(
-            args.seed, epoch, sample_indices, tuple(latents.shape[1:]), run.noise_scheduler.config.num_train_timesteps,
+            seed, epoch, sample_indices, tuple(latents.shape[1:]), run.noise_scheduler.config.num_train_timesteps,
             options=run.noise_options, latents=latents,
         ).to(device)
+        if timesteps is not None:
+            drawn = replace(drawn, timesteps=timesteps.to(device))
         noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
         prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
         target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                          args.v_parameterization)
         return losses.batch_loss(prediction, target, plan, run.loss_options)
+
+    def validation_loss(
+        self, run: "LossContext", batch: dict[str, Any], timesteps: torch.Tensor, epoch: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's normalised loss at ``timesteps`` (long (B,)) with draws keyed by (``seed``, ``epoch``),
+        through the training loss path, and its weight sum (``library.validation.BatchLoss``)."""
+        plan = self.plan_loss(run, batch, epoch, timesteps)
+        with run.autocast:
+            result = self.compute_loss(run, batch, epoch, plan, timesteps=timesteps, seed=seed)
+        return losses.normalize(result.loss_sum, result.weight_sum), result.weight_sum
 
     def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
         """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped."""
@@ -650,6 +697,14 @@ def max_norm_scalars(stats: lora.MaxNormStats) -> dict[str, float]:
         [stats.keys_scaled.float(), stats.mean_norm.float(), stats.max_norm.float()]).tolist()
     return {"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
             "max_norm/max_key_norm": max_norm}
+
+
+def shared_random_seed(accelerator: Accelerator) -> int:
+    """A random seed for a run without ``--seed``, the same on every process (drawn by the main one)."""
+    seed = [random.randint(0, 2**31 - 1)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(seed)
+    return seed[0]
 
 
 def seed_everything(seed: int) -> None:

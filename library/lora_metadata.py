@@ -40,6 +40,13 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
         "ss_unet_lr": args.unet_lr,
         "ss_num_train_images": facts["num_train_images"],
         "ss_num_reg_images": facts["num_reg_images"],
+        # kohya's validation keys: the held-out images with repeats, and the flags as given
+        "ss_num_validation_images": facts.get("num_validation_images", 0),
+        "ss_validation_seed": args.validation_seed,
+        "ss_validation_split": args.validation_split,
+        "ss_max_validation_steps": args.max_validation_steps,
+        "ss_validate_every_n_epochs": args.validate_every_n_epochs,
+        "ss_validate_every_n_steps": args.validate_every_n_steps,
         "ss_num_batches_per_epoch": facts["num_batches_per_epoch"],
         "ss_num_epochs": facts["num_epochs"],
         "ss_gradient_checkpointing": args.gradient_checkpointing,
@@ -89,7 +96,6 @@ def training_metadata(args: argparse.Namespace, model_kind: str, facts: Mapping[
         "ss_min_timestep": args.min_timestep,
         "ss_max_timestep": args.max_timestep,
         "ss_network_args": json.dumps(facts.get("network_args", {})),
-        "ss_sd_model_name": facts["model_name"],
     }
     return {key: str(value) for key, value in metadata.items()}
 
@@ -228,7 +234,27 @@ def addnet_hashes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     data = save(dict(state), training_only)
     header_length = int.from_bytes(data[:8], "little")
     model_hash = hashlib.sha256(data[8 + header_length :]).hexdigest()
-    buffer = io.BytesIO(data)
-    buffer.seek(0x100000)
-    legacy_hash = hashlib.sha256(buffer.read(0x10000)).hexdigest()[:8]
-    return {"sshs_model_hash": model_hash, "sshs_legacy_hash": legacy_hash}
+    return {"sshs_model_hash": model_hash, "sshs_legacy_hash": legacy_hash(io.BytesIO(data))}
+
+
+def legacy_hash(file: io.BufferedIOBase) -> str:
+    """A1111's old short hash: SHA-256 of the 64 KiB at offset 1 MiB, first 8 hex digits."""
+    file.seek(0x100000)
+    return hashlib.sha256(file.read(0x10000)).hexdigest()[:8]
+
+
+def base_model_metadata(args: argparse.Namespace) -> dict[str, str]:
+    """kohya's keys naming the base model and ``--vae``: ``ss_sd_model_name`` / ``ss_vae_name``
+    (file or folder name) and, for single files, the legacy hash (``ss_sd_model_hash``) and the
+    SHA-256 (``ss_new_sd_model_hash``) by which sites such as civitai recognise the base model."""
+    metadata = {}
+    for part, path in (("sd_model", args.pretrained_model_name_or_path), ("vae", args.vae)):
+        if not path:
+            continue
+        if os.path.isfile(path):
+            with open(path, "rb") as file:
+                metadata[f"ss_{part}_hash"] = legacy_hash(file)
+                file.seek(0)
+                metadata[f"ss_new_{part}_hash"] = hashlib.file_digest(file, "sha256").hexdigest()
+        metadata[f"ss_{part}_name"] = os.path.basename(path.rstrip("/\\")) if os.path.exists(path) else path
+    return metadata

@@ -303,3 +303,17 @@ def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_datas
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=1,1,1"), capsys)
     assert "--network_args down_lr_weight: block-wise" in error
+
+
+def test_metadata_names_and_hashes_the_base_model(tiny_models, demo_dataset, tmp_path):
+    import hashlib
+
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "1"))
+    metadata = file_metadata(output_dir / "last.safetensors")
+    model = Path(tiny_models["sdxl_file"])
+    data = model.read_bytes()
+    assert metadata["ss_sd_model_name"] == model.name
+    assert metadata["ss_new_sd_model_hash"] == hashlib.sha256(data).hexdigest()
+    assert metadata["ss_sd_model_hash"] == hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
+    assert "ss_vae_name" not in metadata  # no --vae

@@ -44,6 +44,8 @@ def resume_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> li
         "--max_data_loader_n_workers", "0", "--network_dim", "4", "--learning_rate", "1e-3",
         "--mixed_precision", "fp16", "--grad_guard_preset", "stable", "--gradient_accumulation_steps", "2",
         "--max_train_steps", "12", "--save_state", "--save_every_n_steps", "2", "--network_train_unet_only",
+        # dropout draws from the global torch RNG: a resume must continue its stream exactly
+        "--network_dropout", "0.1", "--network_args", "rank_dropout=0.1", "module_dropout=0.1",
         *extra,
     ]
 

@@ -5,6 +5,7 @@ import argparse
 import ctypes
 import gc
 import sys
+from typing import Optional
 
 import torch
 
@@ -14,22 +15,25 @@ from library.datasets.dataset import TrainDataset
 
 
 def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, models, accelerator,
-                          autocast_dtype: torch.dtype) -> None:
-    """Cache latents (``--cache_latents``) and SDXL text encoder outputs (``--cache_text_encoder_outputs``).
+                          autocast_dtype: torch.dtype, validation_dataset: Optional[TrainDataset] = None) -> None:
+    """Cache latents (``--cache_latents``) and SDXL text encoder outputs (``--cache_text_encoder_outputs``)
+    of ``dataset`` and, when given, of ``validation_dataset`` (its own stores, same models and options).
 
-    Call after the models are placed on their device. Mutates ``dataset`` (its stores)
+    Call after the models are placed on their device. Mutates the datasets (their stores)
     and ``models``: the VAE, and the text encoders when their outputs are cached, are
     dropped (``models.vae = None``, ``models.text_encoders = []``) unless
     ``--sample_prompts`` needs them later. The freed memory is returned to the OS, and on
     CUDA the allocator's cache is emptied unless ``--highvram``.
     """
     keeps_models_for_sampling = bool(getattr(args, "sample_prompts", None))
+    cached = [each for each in (dataset, validation_dataset) if each is not None]
     if args.cache_latents:
-        dataset.latent_store = latents.cache_latents(
-            dataset.plan.images, models.vae, to_disk=args.cache_latents_to_disk, is_sdxl=models.is_sdxl,
-            vae_batch_size=args.vae_batch_size, is_main_process=accelerator.is_main_process,
-            wait_for_everyone=accelerator.wait_for_everyone,
-        )
+        for each in cached:
+            each.latent_store = latents.cache_latents(
+                each.plan.images, models.vae, to_disk=args.cache_latents_to_disk, is_sdxl=models.is_sdxl,
+                vae_batch_size=args.vae_batch_size, is_main_process=accelerator.is_main_process,
+                wait_for_everyone=accelerator.wait_for_everyone,
+            )
         if not keeps_models_for_sampling:
             models.vae = None
     if getattr(args, "cache_text_encoder_outputs", False):
@@ -39,14 +43,15 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
 
         autocast = torch.autocast(accelerator.device.type, dtype=autocast_dtype,
                                   enabled=args.mixed_precision != "no")
-        with autocast:
-            dataset.text_store = text_cache.cache_text_encoder_outputs(
-                dataset.plan.images, encode_parts, text_cache.text_encoders_fingerprint(models.text_encoders),
-                args.max_token_length,
-                weighted_captions=args.weighted_captions,
-                # one writer: other processes encode into memory
-                to_disk=args.cache_text_encoder_outputs_to_disk and accelerator.is_main_process,
-            )
+        for each in cached:
+            with autocast:
+                each.text_store = text_cache.cache_text_encoder_outputs(
+                    each.plan.images, encode_parts, text_cache.text_encoders_fingerprint(models.text_encoders),
+                    args.max_token_length,
+                    weighted_captions=args.weighted_captions,
+                    # one writer: other processes encode into memory
+                    to_disk=args.cache_text_encoder_outputs_to_disk and accelerator.is_main_process,
+                )
         if not keeps_models_for_sampling:
             models.text_encoders = []
     gc.collect()

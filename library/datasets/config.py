@@ -95,9 +95,9 @@ SUBSET_DEFAULTS: dict[str, Any] = {
     "image_dir": None, "metadata_file": None, "num_repeats": 1, "is_reg": False, "class_tokens": None,
     "caption_extension": ".caption", "cache_info": False, "alpha_mask": False, "color_aug": False,
     "flip_aug": False, "random_crop": False, "face_crop_aug_range": None, "token_warmup_min": 1,
-    "token_warmup_step": 0, "custom_attributes": None, "validation_seed": 0, "validation_split": 0.0,
-    "resize_interpolation": None, "shuffle_caption": False, "caption_separator": ",", "keep_tokens": 0,
-    "keep_tokens_separator": "", "secondary_separator": None, "enable_wildcard": False, "caption_prefix": None,
+    "token_warmup_step": 0, "custom_attributes": None, "resize_interpolation": None, "shuffle_caption": False,
+    "caption_separator": ",", "keep_tokens": 0, "keep_tokens_separator": "", "secondary_separator": None,
+    "enable_wildcard": False, "caption_prefix": None,
     "caption_suffix": None, "caption_dropout_rate": 0.0, "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0,
 }
@@ -109,9 +109,7 @@ DATASET_DEFAULTS: dict[str, Any] = {
 # Command-line names that differ from the config names (kohya's map).
 ARGPARSE_RENAMES = {"train_batch_size": "batch_size", "dataset_repeats": "num_repeats"}
 # Keys of kohya's schema this trainer does not implement: accepted only at their defaults.
-UNSUPPORTED = {
-    "face_crop_aug_range": None, "validation_split": 0.0, "network_multiplier": 1.0,
-}
+UNSUPPORTED = {"face_crop_aug_range": None, "network_multiplier": 1.0}
 
 
 def _merge(*schemas: dict) -> dict:
@@ -189,6 +187,10 @@ class DatasetSpec:
     is_finetuning: bool
     where: str
     resize_interpolation: Optional[str] = None  # the dataset's own value (kohya's metadata reports it)
+    # Fraction of each DreamBooth training subset's images held out for validation, and the seed of
+    # that split (``validation_seed``, else the training ``--seed``); see ``plan.split_train_validation``.
+    validation_split: float = 0.0
+    validation_seed: int = 0
     subsets: list[SubsetSpec] = field(default_factory=list)
 
 
@@ -338,6 +340,10 @@ def build_specs(user_config: dict, args: argparse.Namespace, source: str) -> lis
             is_finetuning=any("metadata_file" in subset for subset in subsets),
             where=dataset_where,
             resize_interpolation=values["resize_interpolation"],
+            validation_split=float(values["validation_split"]),
+            # kohya: without validation_seed the split follows the training --seed
+            validation_seed=(values["validation_seed"] if values["validation_seed"] is not None
+                             else command_line.get("seed") or 0),
         )
         _check_dataset(spec, values)
         for subset_index, subset in enumerate(subsets):
@@ -373,6 +379,14 @@ def _check_dataset(spec: DatasetSpec, values: dict) -> None:
     interpolation = values["resize_interpolation"]
     _check(interpolation is None or interpolation in INTERPOLATIONS, where,
            f"resize_interpolation {interpolation!r} must be one of {', '.join(INTERPOLATIONS)}")
+    split = spec.validation_split
+    _check(0.0 <= split < 1.0, where, f"validation_split {split} must be at least 0 and below 1 "
+                                      f"(the fraction of each training subset's images kept for validation)")
+    # kohya splits only DreamBooth datasets: its validation set of a fine-tuning dataset is the
+    # whole training set, a number that says nothing about over-fitting.
+    _check(not (split and spec.is_finetuning), where,
+           f"validation_split {split} needs DreamBooth subsets (image_dir); fine-tuning datasets (metadata_file, "
+           f"--in_json) cannot be split here (kohya would validate on the training images)")
 
 
 def _subset_spec(values: dict, where: str, dataset_interpolation: Optional[str]) -> SubsetSpec:

@@ -370,6 +370,25 @@ def build_dataset(args: argparse.Namespace, min_bucket_steps: int = 64) -> Train
     return TrainDataset(plan, seed)
 
 
+def build_validation_dataset(args: argparse.Namespace, train: TrainDataset,
+                             min_bucket_steps: int = 64) -> Optional[TrainDataset]:
+    """The images ``validation_split`` holds out of ``train``'s datasets, planned with the same
+    subset options (resolution, buckets, captions), or None when no dataset has a split.
+
+    Its draws (batch order, flips, captions) are keyed by ``--validation_seed`` (default
+    ``--seed``). Raises UserError when the split holds out no image at all.
+    """
+    specs = [planned.spec for planned in train.plan.datasets]
+    if not any(spec.validation_split for spec in specs):
+        return None
+    plan = plan_datasets(specs, args.skip_bad_images, min_bucket_steps, validation=True)
+    if not plan.sample_images:
+        splits = sorted({spec.validation_split for spec in specs if spec.validation_split})
+        raise UserError(f"validation_split {', '.join(map(str, splits))} holds out no image: a subset of n images "
+                        f"keeps ceil(n * (1 - validation_split)) for training; raise it or add images")
+    return TrainDataset(plan, args.validation_seed if args.validation_seed is not None else train.seed)
+
+
 def collate_single_batch(items: list[dict[str, Any]]) -> dict[str, Any]:
     """The DataLoader runs with batch_size=1 over batches: unwrap the one item."""
     return items[0]

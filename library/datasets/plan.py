@@ -8,10 +8,12 @@ training, or skipped with a warning under ``--skip_bad_images``.
 """
 from __future__ import annotations
 
+import math
 import os
+import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import numpy as np
 
@@ -96,8 +98,32 @@ class Plan:
         return [subset for dataset in self.datasets for subset in dataset.spec.subsets]
 
 
-def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_steps: int) -> Plan:
-    """Scan, probe, balance and bucket every dataset; raises UserError when nothing can be trained."""
+T = TypeVar("T")
+
+
+def split_train_validation(items: list[T], validation_split: float, seed: int) -> tuple[list[T], list[T]]:
+    """kohya's per-subset split: ``items`` shuffled with ``random.Random(seed)``, the first
+    ``ceil(n * (1 - validation_split))`` (kohya's float formula) train, the rest validate.
+
+    The two parts are disjoint and together are ``items`` (kohya's validation part is cut with
+    another formula and can overlap the training part). Each part keeps the order of ``items``,
+    so the training part plans exactly like a folder holding only those images. With
+    ``0 <= validation_split < 1`` the training part is never empty when ``items`` is not.
+    """
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    cut = math.ceil(len(items) * (1 - validation_split))
+    return [items[i] for i in sorted(order[:cut])], [items[i] for i in sorted(order[cut:])]
+
+
+def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_steps: int,
+                  validation: bool = False) -> Plan:
+    """Scan, probe, balance and bucket every dataset; raises UserError when nothing can be trained.
+
+    A dataset with ``validation_split`` keeps only the training part of each non-reg subset
+    (:func:`split_train_validation` of its usable images). ``validation=True`` plans the held-out
+    parts instead, without reg subsets and without the emptiness checks (the result may be empty).
+    """
     plans: list[DatasetPlan] = []
     images: list[PlannedImage] = []
     sample_images: list[int] = []
@@ -106,14 +132,24 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
         plan = DatasetPlan(spec, min_bucket_reso=rule.min_reso, max_bucket_reso=rule.max_reso)
         train_records, reg_records = [], []
         for subset_index, subset in enumerate(spec.subsets):
-            if subset.num_repeats < 1:
-                print(f"{subset.where}: ignoring the subset, num_repeats {subset.num_repeats} is less than 1")
+            splits = spec.validation_split > 0 and not subset.is_reg
+            if validation and not splits:
                 continue
+            if subset.num_repeats < 1:
+                if not validation:
+                    print(f"{subset.where}: ignoring the subset, num_repeats {subset.num_repeats} is less than 1")
+                continue
+            # Probed before the split, so the split is over usable images whatever --skip_bad_images drops.
             records = _probe_sizes(list_subset_images(subset, subset_index), subset, skip_bad_images)
+            if splits:
+                training_part, validation_part = split_train_validation(
+                    records, spec.validation_split, spec.validation_seed)
+                records = validation_part if validation else training_part
             # Before the emptiness check: kohya records an empty folder as {} too.
             count_tags(plan.tag_frequency.setdefault(base_name(subset.name), {}), _tag_texts(subset, records))
             if not records:
-                print(f"{subset.where}: ignoring the subset, {subset.name} has no usable images")
+                if not validation:
+                    print(f"{subset.where}: ignoring the subset, {subset.name} has no usable images")
                 continue
             plan.subsets.append(PlannedSubset(subset, len(records)))
             count = len(records) * subset.num_repeats
@@ -144,9 +180,11 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
                 ids.append(len(sample_images))
                 sample_images.append(image.index)
         plans.append(plan)
-        if spec.enable_bucket:
+        if spec.enable_bucket and not (validation and not plan.bucket_samples):
             counts = {bucket: len(ids) for bucket, ids in plan.bucket_samples.items()}
-            print(bucket_rules.summarize(counts, aspect_errors, f"{spec.where}"))
+            print(bucket_rules.summarize(counts, aspect_errors, spec.where + (" (validation)" if validation else "")))
+    if validation:
+        return Plan(plans, images, sample_images)
     if not sample_images:
         raise UserError(
             "no images to train on: check --train_data_dir (the parent of folders like 10_sks dog) "
