@@ -33,9 +33,7 @@ from library.datasets import caching as dataset_caching, dataset as datasets, la
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
 from library.interrupts import StopRequest
-from library.lora_metadata import (
-    base_model_metadata, dataset_metadata, modelspec_metadata, training_metadata, wall_clock,
-)
+from library.lora_metadata import run_metadata, wall_clock
 from library.model_loading import StableDiffusionModels
 from networks import lora, merge_lora
 
@@ -275,17 +273,8 @@ class NetworkTrainer:
 
         num_workers = min(args.max_data_loader_n_workers, os.cpu_count() or 1)
         sampler = sharding.ShardSampler(dataset, accelerator.process_index, accelerator.num_processes)
-        dataloader = torch.utils.data.DataLoader(
-            sharding.PaddedBatches(dataset),
-            batch_size=1,  # one dataset item is one whole batch, ordered per epoch by (seed, epoch)
-            sampler=sampler,
-            collate_fn=datasets.collate_single_batch,
-            num_workers=num_workers,
-            # its own generator: each iter() would otherwise draw from the global torch RNG, which
-            # dropout uses, so a resumed run would drop out differently
-            generator=torch.Generator().manual_seed(args.seed),
-            persistent_workers=args.persistent_data_loader_workers and num_workers > 0,
-        )
+        dataloader = sharding.train_loader(dataset, sampler, num_workers, args.persistent_data_loader_workers,
+                                           args.seed)
         steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
         if args.max_train_epochs is not None:
             args.max_train_steps = args.max_train_epochs * steps_per_epoch
@@ -315,27 +304,20 @@ class NetworkTrainer:
         stateful = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "grad_guard": guard, "grad_monitor": monitor}
         if scaler is not None:
             stateful["loss_scaler"] = scaler
-        resume_path = store.resolve(args.resume) if args.resume else None
-        if resume_path is not None:
-            state = store.load(resume_path)
-            network.load_state_dict({k: v.to(device) for k, v in state.lora.items()})
-            for name, component in stateful.items():
-                component.load_state_dict(state.components[name])
-            train_state.set_rng_state(state.rng)
-            progress_state = state.progress
-            print(f"resumed at step {progress_state.global_step} (epoch {progress_state.epoch})")
-        else:
-            progress_state = train_state.initial_progress(args, steps_per_epoch, progress_state)
+        states = train_state.RunStates(store, network, stateful)
+        resumed = states.resume(args.resume, device)
+        progress_state = resumed or train_state.initial_progress(args, steps_per_epoch, progress_state)
+        resume_step = progress_state.global_step if resumed else None  # logs keep their rows up to it
         if grad_log is not None:
-            grad_log.start(resume_step=progress_state.global_step if resume_path is not None else None)
+            grad_log.start(resume_step=resume_step)
 
         def save_state(name: str) -> None:
-            components = {name: component.state_dict() for name, component in stateful.items()}
-            store.save(name, progress_state, network.lora_state_dict(), components)
+            states.save(name, progress_state)
 
-        metadata = training_metadata(
+        metadata = run_metadata(
             args,
             models.kind,
+            dataset,
             {
                 "session_id": progress_state.session_id,
                 "training_started_at": progress_state.training_started_at,
@@ -346,17 +328,14 @@ class NetworkTrainer:
                 "num_epochs": num_epochs,
                 "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
                 "network_args": lora.parse_network_args(args.network_args),
+                "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
             },
         )
-        total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-        metadata.update(dataset_metadata(args, dataset, total_batch_size))
-        metadata.update(base_model_metadata(args))
-        metadata.update(modelspec_metadata(args, models.kind, dataset.resolution_hw, progress_state.training_started_at))
         writer = lora_files.LoraWriter(args, metadata)
         tracking.init_trackers(accelerator, args)
         jsonl = None
         if args.log_jsonl and accelerator.is_main_process:
-            jsonl = tracking.JsonlLog(args.log_jsonl, progress_state.global_step if resume_path is not None else None)
+            jsonl = tracking.JsonlLog(args.log_jsonl, resume_step)
 
         print(
             f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
@@ -414,11 +393,7 @@ class NetworkTrainer:
                             max_norm_logs = max_norm_scalars(network.apply_max_norm_regularization(args.scale_weight_norms))
                     progress_state.global_step = step
                     progress_state.batches_done += len(window)
-                    if math.isfinite(loss_value):
-                        progress_state.loss_history = (progress_state.loss_history + [loss_value])[-steps_per_epoch:]
-                    else:
-                        progress_state.non_finite_losses += 1  # shown, never averaged into avr_loss
-                    avr_loss = float(np.mean(progress_state.loss_history)) if progress_state.loss_history else float("nan")
+                    avr_loss = progress_state.record_loss(loss_value, window=steps_per_epoch)
                     if grad_log is not None:
                         grad_log.append(
                             epoch=epoch, step=step, norm=measured.norm, threshold=decision.threshold,

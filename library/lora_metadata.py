@@ -258,3 +258,15 @@ def base_model_metadata(args: argparse.Namespace) -> dict[str, str]:
                 metadata[f"ss_new_{part}_hash"] = hashlib.file_digest(file, "sha256").hexdigest()
         metadata[f"ss_{part}_name"] = os.path.basename(path.rstrip("/\\")) if os.path.exists(path) else path
     return metadata
+
+
+def run_metadata(args: argparse.Namespace, model_kind: str, dataset: TrainDataset,
+                 facts: Mapping[str, Any]) -> dict[str, str]:
+    """All metadata a LoRA file of this run carries: kohya's ``ss_*`` keys (training, dataset,
+    base model) and the model spec. ``facts``: what ``training_metadata`` needs, plus
+    ``total_batch_size``."""
+    metadata = training_metadata(args, model_kind, facts)
+    metadata.update(dataset_metadata(args, dataset, facts["total_batch_size"]))
+    metadata.update(base_model_metadata(args))
+    metadata.update(modelspec_metadata(args, model_kind, dataset.resolution_hw, facts["training_started_at"]))
+    return metadata

@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 import torch
 
+from library.datasets.dataset import collate_single_batch
+
 
 class ShardSampler(torch.utils.data.Sampler):
     """Batch indices for one process; padding is encoded as ``-1 - index``."""
@@ -59,6 +61,23 @@ class PaddedBatches(torch.utils.data.Dataset):
         images = batch.get("latents", batch.get("images"))
         batch["alpha_masks"] = torch.zeros((images.shape[0], images.shape[2], images.shape[3]))
         return batch
+
+
+def train_loader(dataset: torch.utils.data.Dataset, sampler: ShardSampler, num_workers: int,
+                 persistent_workers: bool, seed: int) -> torch.utils.data.DataLoader:
+    """The training DataLoader: one dataset item is one whole batch (ordered per epoch by
+    (seed, epoch)), ``sampler`` picks this process's share, padding indices resolved."""
+    return torch.utils.data.DataLoader(
+        PaddedBatches(dataset),
+        batch_size=1,
+        sampler=sampler,
+        collate_fn=collate_single_batch,
+        num_workers=num_workers,
+        # Its own generator: each iter() would otherwise draw a worker seed from the global torch
+        # RNG, which dropout uses, so a resumed run would drop out differently.
+        generator=torch.Generator().manual_seed(seed),
+        persistent_workers=persistent_workers and num_workers > 0,
+    )
 
 
 def sum_gradients_across_processes(parameters: list[torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -110,6 +111,15 @@ class Progress:
     session_id: int = 0
     non_finite_losses: int = 0
     loss_history: list[float] = field(default_factory=list)
+
+    def record_loss(self, loss: float, window: int) -> float:
+        """Add a step's loss; returns the moving average over the last ``window`` finite losses
+        (kohya's ``avr_loss``; NaN before any). Non-finite losses are counted, never averaged."""
+        if math.isfinite(loss):
+            self.loss_history = (self.loss_history + [loss])[-window:]
+        else:
+            self.non_finite_losses += 1
+        return float(np.mean(self.loss_history)) if self.loss_history else math.nan
 
 
 def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[str, Any]:
@@ -362,3 +372,32 @@ class StateStore:
         rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
         return TrainingState(path, progress, load_file(path / "lora.safetensors"), components, rng)
 
+
+class RunStates:
+    """Saving and resuming one run's state: the LoRA ``network`` and the stateful ``components``
+    (name -> object with ``state_dict``/``load_state_dict``: optimizer, LR schedule, guard, ...)."""
+
+    def __init__(self, store: StateStore, network: torch.nn.Module, components: dict[str, Any]) -> None:
+        self.store = store
+        self.network = network
+        self.components = components
+
+    def resume(self, resume: Optional[str], device: torch.device) -> Optional[Progress]:
+        """Load the state ``--resume`` names (a folder, or "auto") into the network, the components
+        and the RNGs; returns its progress, or None to start fresh (no ``--resume``, or "auto"
+        found no state)."""
+        path = self.store.resolve(resume) if resume else None
+        if path is None:
+            return None
+        state = self.store.load(path)
+        self.network.load_state_dict({key: value.to(device) for key, value in state.lora.items()})
+        for name, component in self.components.items():
+            component.load_state_dict(state.components[name])
+        set_rng_state(state.rng)
+        print(f"resumed at step {state.progress.global_step} (epoch {state.progress.epoch})")
+        return state.progress
+
+    def save(self, name: str, progress: Progress) -> None:
+        """Write state folder ``name`` (atomically, see ``StateStore.save``)."""
+        components = {key: component.state_dict() for key, component in self.components.items()}
+        self.store.save(name, progress, self.network.lora_state_dict(), components)
