@@ -212,6 +212,10 @@ class TrainingState:
     rng: dict[str, Any]
 
 
+# kohya-ss writes this file into its accelerate state folders ({"current_epoch": .., "current_step": ..}).
+KOHYA_STATE_MARKER = "train_state.json"
+
+
 def verify_state(path: Path) -> tuple[bool, str]:
     """(intact, reason): every file listed in the manifest exists with its checksum."""
     manifest_path = path / MANIFEST
@@ -230,6 +234,19 @@ def verify_state(path: Path) -> tuple[bool, str]:
         if _sha256(file) != checksum:
             return False, f"checksum mismatch in {name}"
     return True, "intact"
+
+
+def kohya_state_hint(path: Path) -> str:
+    """The error for a kohya-ss (accelerate) state folder: what to run instead. Its
+    ``model.safetensors`` holds the LoRA with kohya's keys, which ``--network_weights`` reads."""
+    try:
+        step = int(json.loads((path / KOHYA_STATE_MARKER).read_text())["current_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = None
+    continue_at = f" --initial_step {step}" if step else ""
+    return (f"--resume {path}: a kohya-ss (accelerate) state folder, which this trainer cannot resume exactly; "
+            f"continue from its weights instead (optimizer and LR schedule start fresh): --network_weights "
+            f"{path / 'model.safetensors'}{continue_at}")
 
 
 class StateStore:
@@ -333,6 +350,8 @@ class StateStore:
             if not path.is_dir():
                 raise UserError(f"--resume {resume}: no such state folder")
             intact, reason = verify_state(path)
+            if not intact and (path / KOHYA_STATE_MARKER).is_file():
+                raise UserError(kohya_state_hint(path))
             if not intact:
                 raise UserError(f"--resume {resume}: the state is damaged ({reason}); use another state or --resume auto")
             return path
