@@ -200,7 +200,8 @@ def test_full_half_precision_trains_the_lora_in_that_dtype(flag, precision, dtyp
     output_dir = tmp_path / "out"
     run_trainer("sdxl_train_network", args_for(
         tiny_models, demo_dataset, output_dir, "--max_train_steps", "3", "--mixed_precision", precision, flag,
-        "--learning_rate", "1e-2", *optimizer_args))
+        "--learning_rate", "1e-2", "--grad_guard_preset", "stable", "--save_state_on_train_end", *optimizer_args))
+    assert len(grad_log_rows(output_dir)) == 3  # the guard and its cosine log read half-precision gradients
     weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
     assert {value.dtype for value in weights.values()} == {dtype}  # saved in the training dtype
     assert all(torch.isfinite(value.float()).all() for value in weights.values())
