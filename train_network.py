@@ -28,15 +28,15 @@ from library import (
     compatibility, config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise,
     optimizers,
 )
-from library import sampling, sharding, text_encoding, tracking, train_state, validation
+from library import lora_metadata, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
 from library.interrupts import StopRequest
-from library.lora_metadata import run_metadata, wall_clock
 from library.model_loading import StableDiffusionModels
 from networks import lora, merge_lora
 
+NOTHING_TO_TRAIN = "--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train"
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -74,7 +74,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network_dropout", type=float, default=None,
                         help="dropout probability on the LoRA down output (default off)")
     parser.add_argument("--network_args", type=str, default=None, nargs="*",
-                        help="key=value network options: conv_dim, conv_alpha, rank_dropout, module_dropout")
+                        help="key=value network options: conv_dim, conv_alpha, rank_dropout, module_dropout, and "
+                             "LoRA+: loraplus_lr_ratio, loraplus_unet_lr_ratio, loraplus_text_encoder_lr_ratio")
     parser.add_argument("--network_weights", type=str, default=None, help="LoRA file to continue training from")
     parser.add_argument("--base_weights", type=str, default=None, nargs="*",
                         help="LoRA files merged into the base model before training (the new LoRA learns on top)")
@@ -89,9 +90,10 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network_train_unet_only", action="store_true", help="train only the UNet LoRA")
     parser.add_argument("--network_train_text_encoder_only", action="store_true",
                         help="train only the text encoder LoRA")
-    parser.add_argument("--unet_lr", type=float, default=None, help="UNet LoRA learning rate (default --learning_rate)")
+    parser.add_argument("--unet_lr", type=float, default=None, help="UNet LoRA learning rate (default --learning_rate; 0: the UNet LoRA is not trained)")
     parser.add_argument("--text_encoder_lr", type=float, default=None, nargs="*",
-                        help="text encoder LoRA learning rate, one value or one per encoder (default --learning_rate)")
+                        help="text encoder LoRA learning rate, one value or one per encoder (default --learning_rate; "
+                             "0: that encoder's LoRA is not trained)")
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -101,6 +103,7 @@ def setup_parser() -> argparse.ArgumentParser:
     datasets.add_arguments(parser)
     validation.add_arguments(parser)
     lora_files.add_arguments(parser)
+    lora_metadata.add_arguments(parser)
     add_training_arguments(parser)
     tracking.add_arguments(parser)
     add_network_arguments(parser)
@@ -143,6 +146,12 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
     if args.network_module != "networks.lora":
         raise UserError(f"--network_module {args.network_module}: only networks.lora is available")
+    for path in args.base_weights or []:
+        if not os.path.isfile(path):
+            raise UserError(f"--base_weights {path}: no such LoRA file")
+    if (args.network_train_text_encoder_only or args.unet_lr == 0) and (
+            args.network_train_unet_only or (args.text_encoder_lr and all(lr == 0 for lr in args.text_encoder_lr))):
+        raise UserError(NOTHING_TO_TRAIN)
     if len(args.base_weights_multiplier or []) > len(args.base_weights or []):
         raise UserError(f"--base_weights_multiplier has {len(args.base_weights_multiplier)} values for "
                         f"{len(args.base_weights or [])} --base_weights files: give at most one per file")
@@ -155,6 +164,7 @@ def validate_arguments(args: argparse.Namespace) -> None:
     compatibility.refuse_unsupported(args)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
+    lora_metadata.validate_arguments(args)
     train_state.validate_arguments(args)
     optimizers.validate_args(args)
     loss_scaling.validate_arguments(args)
@@ -218,6 +228,7 @@ class NetworkTrainer:
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
         validate_arguments(args)
+        tracking.setup_console_log(args)
         compatibility.apply_aliases(args)
         grad_guard.apply_preset(args, explicit)
         accelerator = Accelerator(
@@ -237,7 +248,8 @@ class NetworkTrainer:
         min_bucket_steps = 32 if self.is_sdxl else 64
         dataset = datasets.build_dataset(args, min_bucket_steps)
         validation_dataset = datasets.build_validation_dataset(args, dataset, min_bucket_steps)
-        if args.debug_dataset:
+        if args.debug_dataset:  # captions as at the start of training (token warm-up)
+            dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, 1, args.max_train_steps)
             for line in dataset.describe_epoch(1):
                 print(line)
             return
@@ -266,8 +278,8 @@ class NetworkTrainer:
         param_groups = network.prepare_optimizer_params(
             args.text_encoder_lr, args.unet_lr, args.learning_rate,
             lora.loraplus_ratios(lora.parse_network_args(args.network_args)))
-        if not param_groups:
-            raise UserError("--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train")
+        if not param_groups:  # e.g. more --text_encoder_lr values than encoders, the used ones 0
+            raise UserError(NOTHING_TO_TRAIN)
         trainable_params = [p for group in param_groups for p in group["params"]]
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
 
@@ -299,13 +311,16 @@ class NetworkTrainer:
             before_rename=fault_injection.state_write_hook(args.debug_kill_in_state_write),
         )
         progress_state = train_state.Progress(
-            seed=args.seed, training_started_at=wall_clock(), session_id=random.Random(args.seed).randint(0, 2**32)
+            seed=args.seed, training_started_at=lora_metadata.wall_clock(),
+            session_id=random.Random(args.seed).randint(0, 2**32),
         )
         stateful = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "grad_guard": guard, "grad_monitor": monitor}
         if scaler is not None:
             stateful["loss_scaler"] = scaler
         states = train_state.RunStates(store, network, stateful)
         resumed = states.resume(args.resume, device)
+        if resumed and (args.initial_step is not None or args.initial_epoch is not None):
+            print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")
         progress_state = resumed or train_state.initial_progress(args, steps_per_epoch, progress_state)
         resume_step = progress_state.global_step if resumed else None  # logs keep their rows up to it
         if grad_log is not None:
@@ -314,7 +329,7 @@ class NetworkTrainer:
         def save_state(name: str) -> None:
             states.save(name, progress_state)
 
-        metadata = run_metadata(
+        metadata = {} if not accelerator.is_main_process else lora_metadata.run_metadata(  # only the main process writes
             args,
             models.kind,
             dataset,
@@ -344,7 +359,10 @@ class NetworkTrainer:
         run = LossContext(
             args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
             torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
-            train_text_encoder, device,
+            # a text encoder whose LoRA has learning rate 0 runs without recording gradients
+            train_text_encoder and any(p.requires_grad for module in network.text_encoder_loras
+                                       for p in module.parameters()),
+            device,
         )
         progress = tqdm(
             total=args.max_train_steps, initial=progress_state.global_step, desc="steps",

@@ -7,6 +7,7 @@ the original (kohya/A1111) layout through ``library.checkpoint_keys``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -162,6 +163,15 @@ def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dty
                 tensor = tensor.to(dtype)
             tensors[rule.original] = tensor.contiguous()
     atomic_save_safetensors(tensors, path, metadata)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file, read in 1 MiB pieces (hashlib.file_digest needs Python 3.11)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,

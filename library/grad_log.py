@@ -57,8 +57,8 @@ class GradientLog:
 
     Invariants: rows are held in memory until ``flush_every`` are pending or
     :meth:`flush` is called; a flush appends them, flushes and fsyncs the file, so
-    after it returns every appended row is on disk exactly once. Nothing is written
-    before :meth:`start` except by :meth:`flush`/:meth:`truncate_after`.
+    after it returns every appended row is on disk exactly once. Only :meth:`flush` and
+    :meth:`truncate_after` write; :meth:`start` plans the file's first write.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, with_scale: bool, with_cosine: bool,
@@ -70,6 +70,8 @@ class GradientLog:
         self.flush_every = flush_every
         self._pending: list[tuple[int, str]] = []  # (step, CSV line)
         self._flushing = False
+        # Rows the file starts from, written at the first flush (see start); None: use the file as it is.
+        self._kept_rows: list[list[str]] | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, with_scale: bool) -> GradientLog | None:
@@ -95,13 +97,11 @@ class GradientLog:
         return len(self._pending)
 
     def start(self, resume_step: int | None = None) -> None:
-        """Prepare the file: a fresh run (``resume_step`` None) starts a new file with the header
-        (replacing an old one); a resumed run keeps the rows up to ``resume_step``."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self._rewrite([])
-        else:
-            self.truncate_after(resume_step)
+        """Plan the file: a fresh run (``resume_step`` None) starts a new file with the header
+        (replacing an old one); a resumed run keeps the rows up to ``resume_step``. The file is
+        checked now (UserError for a file that is not a gradient log) but written only at the
+        first flush, so a run that fails before its first row leaves an old log as it was."""
+        self._kept_rows = [] if resume_step is None else self._rows_up_to(resume_step)
 
     def append(self, *, epoch: int, step: int, norm: float, threshold: float, loss: float, thresh_off: int,
                scale: float | None = None, cosine: float | None = None) -> None:
@@ -127,6 +127,9 @@ class GradientLog:
             return
         self._flushing = True
         try:
+            if self._kept_rows is not None:
+                self._rewrite(self._kept_rows)
+                self._kept_rows = None
             count = len(self._pending)
             text = "".join(line for _, line in self._pending[:count])
             needs_header = not self.path.exists() or self.path.stat().st_size == 0
@@ -146,14 +149,16 @@ class GradientLog:
         step once. Torn rows (a crash mid-write) are dropped too. Rows written with other
         columns are rewritten to this log's columns (missing ones empty)."""
         self._pending = [(row_step, line) for row_step, line in self._pending if row_step <= step]
+        self._rewrite(self._rows_up_to(step))
+
+    def _rows_up_to(self, step: int) -> list[list[str]]:
+        """The file's rows with Step <= ``step`` in this log's columns (see ``truncate_after``)."""
         if not self.path.exists():
-            self._rewrite([])
-            return
+            return []
         with open(self.path, encoding="utf-8", newline="") as file:
             rows = list(csv.reader(file))
         if not rows:
-            self._rewrite([])
-            return
+            return []
         old_columns, kept = rows[0], []
         if "Step" not in old_columns:
             raise UserError(f"{self.path} is not a gradient log (no Step column); move it away or change "
@@ -172,7 +177,7 @@ class GradientLog:
             if row_step <= step:
                 by_name = dict(zip(old_columns, row))
                 kept.append([by_name.get(column, "") for column in self.columns])
-        self._rewrite(kept)
+        return kept
 
     def _rewrite(self, rows: Iterable[list[str]]) -> None:
         """Atomically replace the file with the header and ``rows`` (temp file, fsync, rename)."""

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
                         help="LoRA file format (default safetensors; the only one this trainer writes)")
     parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="dtype of saved weights (default: the training dtype, float32)")
+                        help="dtype of saved weights (default: the training dtype: float32, or fp16/bf16 with "
+                             "--full_fp16/--full_bf16)")
     parser.add_argument("--save_every_n_epochs", type=int, default=None, help="also save a LoRA every N epochs")
     parser.add_argument("--save_every_n_steps", type=int, default=None, help="also save a LoRA every N optimizer steps")
     parser.add_argument("--save_n_epoch_ratio", type=int, default=None,

@@ -6,10 +6,12 @@ follow kohya-ss sd-scripts.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import hashlib
 import io
 import json
+import mimetypes
 import os
 import time
 from typing import TYPE_CHECKING, Any, Mapping
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from safetensors.torch import save
 
+from library.checkpoint_files import file_sha256
+from library.errors import UserError
 from library.datasets.plan import DatasetPlan, base_name
 
 if TYPE_CHECKING:
@@ -206,6 +210,38 @@ def wall_clock() -> float:
     return float(fixed) if fixed else time.time()
 
 
+# kohya's --metadata_* options -> the model spec keys they fill (when given).
+MODELSPEC_OPTIONS = ("title", "author", "description", "license", "tags", "usage_hint", "thumbnail", "merged_from",
+                     "trigger_phrase", "preprocessor", "is_negative_embedding")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """kohya's ``--metadata_*`` options (model spec fields of the saved LoRA files)."""
+    for name in MODELSPEC_OPTIONS:
+        default = " (default --output_name)" if name == "title" else ""
+        extra = "; a file path is stored as a data URL" if name == "thumbnail" else ""
+        parser.add_argument(f"--metadata_{name}", type=str, default=None,
+                            help=f"modelspec.{name} of the saved LoRA files{default}{extra}")
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    """Refuse an unreadable ``--metadata_thumbnail`` before anything loads."""
+    thumbnail = args.metadata_thumbnail
+    if thumbnail and not thumbnail.startswith("data:") and not os.path.isfile(thumbnail):
+        raise UserError(f"--metadata_thumbnail {thumbnail}: no such file (give an image file or a data: URL)")
+
+
+def _data_url(path: str) -> str:
+    if path.startswith("data:"):
+        return path
+    mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+    try:
+        with open(path, "rb") as file:
+            return f"data:{mime};base64,{base64.b64encode(file.read()).decode('ascii')}"
+    except OSError as error:
+        raise UserError(f"--metadata_thumbnail {path}: cannot read it ({error.strerror})") from None
+
+
 def modelspec_metadata(
     args: argparse.Namespace, model_kind: str, resolution_hw: tuple[int, int], timestamp: float
 ) -> dict[str, str]:
@@ -213,7 +249,7 @@ def modelspec_metadata(
     architecture = ARCHITECTURES[model_kind]
     if model_kind == "sd2" and args.v_parameterization:
         architecture = "stable-diffusion-v2-768-v"
-    return {
+    metadata = {
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": f"{architecture}/lora",
         "modelspec.implementation": IMPLEMENTATION,
@@ -222,6 +258,11 @@ def modelspec_metadata(
         "modelspec.date": datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if args.v_parameterization else "epsilon",
     }
+    for name in MODELSPEC_OPTIONS:
+        value = getattr(args, f"metadata_{name}", None)
+        if value:
+            metadata[f"modelspec.{name}"] = _data_url(value) if name == "thumbnail" else value
+    return metadata
 
 
 def addnet_hashes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, str]:
@@ -254,8 +295,7 @@ def base_model_metadata(args: argparse.Namespace) -> dict[str, str]:
         if os.path.isfile(path):
             with open(path, "rb") as file:
                 metadata[f"ss_{part}_hash"] = legacy_hash(file)
-                file.seek(0)
-                metadata[f"ss_new_{part}_hash"] = hashlib.file_digest(file, "sha256").hexdigest()
+            metadata[f"ss_new_{part}_hash"] = file_sha256(path)
         metadata[f"ss_{part}_name"] = os.path.basename(path.rstrip("/\\")) if os.path.exists(path) else path
     return metadata
 

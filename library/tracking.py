@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import math
 import os
 import time
@@ -17,7 +18,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import toml
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 DEFAULT_TRACKER_NAME = "network_train"
 # Never sent to a tracker by --log_config: secrets. Paths are left out too (see logged_config).
@@ -27,6 +28,10 @@ _SECRETS = frozenset({"wandb_api_key", "huggingface_token"})
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The logging options shared by every trainer."""
     add = parser.add_argument
+    add("--console_log_level", type=str, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="level of the library log messages on the console (default INFO)")
+    add("--console_log_file", type=str, default=None, help="also write the log messages to this file")
+    add("--console_log_simple", action="store_true", help="log messages without time and source")
     add("--logging_dir", type=str, default=None, help="folder for tracker logs (tensorboard)")
     add("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
         help="trackers to log to (default tensorboard when --logging_dir is given)")
@@ -42,6 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log in to wandb with this key before training (never written to configs or trackers)")
     add("--log_jsonl", type=str, default=None,
         help="also write every step's scalars as JSON lines to this file (for scripts and GUIs)")
+
+
+def setup_console_log(args: argparse.Namespace) -> None:
+    """kohya's console log options: level, an optional file, plain or detailed format. Without
+    any of them Python's default stays (warnings and errors on stderr)."""
+    if not (args.console_log_level or args.console_log_file or args.console_log_simple):
+        return
+    detailed = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if args.console_log_file:
+        handlers.append(logging.FileHandler(args.console_log_file, encoding="utf-8"))
+    logging.basicConfig(level=args.console_log_level or "INFO", handlers=handlers, force=True,
+                        format="%(levelname)s %(message)s" if args.console_log_simple else detailed)
 
 
 def tracker_names(args: argparse.Namespace) -> Optional[list[str]]:
@@ -111,8 +129,14 @@ def init_trackers(accelerator: Any, args: argparse.Namespace) -> None:
         import wandb
 
         wandb.login(key=args.wandb_api_key)
-    accelerator.init_trackers(args.log_tracker_name or DEFAULT_TRACKER_NAME, config=logged_config(args),
-                              init_kwargs=tracker_init_kwargs(args))
+    try:
+        accelerator.init_trackers(args.log_tracker_name or DEFAULT_TRACKER_NAME, config=logged_config(args),
+                                  init_kwargs=tracker_init_kwargs(args))
+    except TypeError as error:  # an init option the tracker does not take
+        if not args.log_tracker_config:
+            raise
+        raise UserError(f"--log_tracker_config {args.log_tracker_config}: a tracker refused its options "
+                        f"({first_line(error)})") from None
 
 
 def log_sample_images(accelerator: Any, images: list[tuple[Any, str]], step: int) -> None:
@@ -135,13 +159,14 @@ class JsonlLog:
 
     Each line is flushed when written, so a tailing GUI sees it at once. A resumed run
     first drops the lines of steps after the resumed step, so every step appears once.
-    NaN/Inf are written as strings ("nan", "inf") to keep every line valid JSON.
+    NaN/Inf are written as strings ("nan", "inf") to keep every line valid JSON. The file is
+    replaced (or cut) only when the first line is written: a run that fails before its
+    first step leaves an old file as it was.
     """
 
     def __init__(self, path: str, resume_step: Optional[int] = None) -> None:
         self.path = path
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
+        self._file = None
         kept = []
         if resume_step is not None and os.path.exists(path):
             with open(path, encoding="utf-8") as file:
@@ -151,11 +176,16 @@ class JsonlLog:
                             kept.append(line if line.endswith("\n") else line + "\n")
                     except (ValueError, KeyError):
                         break  # a line cut by a crash ends the usable part
-        with open(path, "w", encoding="utf-8") as file:
-            file.writelines(kept)
-        self._file = open(path, "a", encoding="utf-8")
+        self._kept = kept
 
     def append(self, step: int, scalars: Mapping[str, Any]) -> None:
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            temporary = f"{self.path}.{os.getpid()}.tmp"
+            with open(temporary, "w", encoding="utf-8") as file:
+                file.writelines(self._kept)
+            os.replace(temporary, self.path)
+            self._file = open(self.path, "a", encoding="utf-8")
         record = {"step": step}
         for key, value in scalars.items():
             record[key] = value if not isinstance(value, float) or math.isfinite(value) else str(value)
@@ -163,4 +193,5 @@ class JsonlLog:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

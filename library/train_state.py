@@ -11,7 +11,6 @@ and findable; ``--resume auto`` verifies it and falls back to the newest intact 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import math
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.errors import UserError
+from library.checkpoint_files import file_sha256
+from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, step_stem
 
 FORMAT_VERSION = 1
@@ -62,12 +62,13 @@ def validate_arguments(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "initial_step" else 1):
             raise UserError(f"--{flag} {value} must be at least {0 if flag == 'initial_step' else 1}")
-        if value is not None and args.resume:
-            raise UserError(f"--{flag} and --resume exclude each other: a resume continues at its state's step")
+    if args.initial_step is not None and args.max_train_epochs is None and args.initial_step >= args.max_train_steps:
+        raise UserError(f"--initial_step {args.initial_step} must be below --max_train_steps {args.max_train_steps}")
 
 
 def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Progress") -> "Progress":
-    """``fresh`` moved to where ``--initial_step``/``--initial_epoch`` start a run (kohya's meaning).
+    """``fresh`` moved to where ``--initial_step``/``--initial_epoch`` start a run without a state
+    (a resumed run continues at its state's step instead).
 
     The global step and epoch start there, so step-keyed saves, logs and the end at
     ``--max_train_steps`` line up with a longer run; the data of each epoch is the same as in
@@ -122,6 +123,15 @@ class Progress:
         return float(np.mean(self.loss_history)) if self.loss_history else math.nan
 
 
+def untrained_parts(args: argparse.Namespace) -> list[str]:
+    """The LoRA parts ``--unet_lr 0`` / ``--text_encoder_lr ... 0 ...`` leave untrained (kohya's rule)."""
+    parts = ["unet"] if args.unet_lr == 0 else []
+    rates = args.text_encoder_lr or []
+    if len(rates) == 1:  # one value for every text encoder
+        return parts + (["text_encoders"] if rates[0] == 0 else [])
+    return parts + [f"text_encoder{index + 1}" for index, lr in enumerate(rates) if lr == 0]
+
+
 def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[str, Any]:
     """What a resumed run must share with the run that wrote the state."""
     model = args.pretrained_model_name_or_path
@@ -137,6 +147,8 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "network_args": sorted(args.network_args or []),
         "network_train_unet_only": bool(args.network_train_unet_only),
         "network_train_text_encoder_only": bool(args.network_train_text_encoder_only),
+        # parts with learning rate 0 have no optimizer group: the optimizer state's layout depends on them
+        "untrained_parts": untrained_parts(args),
         "mixed_precision": args.mixed_precision,
         "full_fp16": bool(args.full_fp16),
         "full_bf16": bool(args.full_bf16),
@@ -166,14 +178,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_bytes(path: Path, data: bytes) -> None:
     with open(path, "wb") as file:
         file.write(data)
@@ -231,7 +235,7 @@ def verify_state(path: Path) -> tuple[bool, str]:
         file = path / name
         if not file.is_file():
             return False, f"missing {name}"
-        if _sha256(file) != checksum:
+        if file_sha256(file) != checksum:
             return False, f"checksum mismatch in {name}"
     return True, "intact"
 
@@ -287,7 +291,7 @@ class StateStore:
             "format_version": FORMAT_VERSION,
             "global_step": progress.global_step,
             "arguments": self.protected,
-            "files": {path.name: _sha256(path) for path in sorted(temporary.iterdir())},
+            "files": {path.name: file_sha256(path) for path in sorted(temporary.iterdir())},
         }
         _write_bytes(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
         _fsync_dir(temporary)
@@ -411,7 +415,11 @@ class RunStates:
         state = self.store.load(path)
         self.network.load_state_dict({key: value.to(device) for key, value in state.lora.items()})
         for name, component in self.components.items():
-            component.load_state_dict(state.components[name])
+            try:
+                component.load_state_dict(state.components[name])
+            except (KeyError, ValueError, RuntimeError) as error:
+                raise UserError(f"--resume {path}: its {name} does not fit this run ({first_line(error)}); "
+                                f"resume with the settings that wrote it") from None
         set_rng_state(state.rng)
         print(f"resumed at step {state.progress.global_step} (epoch {state.progress.epoch})")
         return state.progress

@@ -366,7 +366,8 @@ class LoRANetwork(torch.nn.Module):
                 )
             # The modules' output scale was fixed from --network_alpha when they were built; a
             # different alpha in the file would be saved back while training used the other one.
-            if key.endswith(".alpha") and not math.isclose(float(value), float(own[key]), rel_tol=1e-3):
+            # Compared in the file's dtype: a bf16/fp16 file stores the alpha rounded.
+            if key.endswith(".alpha") and not torch.equal(own[key].to(value.dtype), value):
                 raise UserError(
                     f"--network_weights {path}: {key} is {float(value):g}, this network's is {float(own[key]):g}; "
                     f"pass the file's alpha with --network_alpha (conv_alpha for conv modules) or use "
@@ -478,9 +479,12 @@ BLOCKWISE_NETWORK_ARGS = ("block_dims", "block_alphas", "conv_block_dims", "conv
 def loraplus_ratios(network_args: Mapping[str, str]) -> tuple[Optional[float], Optional[float]]:
     """LoRA+ (kohya's network_args): the (text encoder, UNet) multipliers of the lora_up learning
     rate; a part-specific ratio wins over ``loraplus_lr_ratio``. None: plain LoRA for that part."""
-    general = _optional_number(network_args, "loraplus_lr_ratio", float)
-    text_encoder = _optional_number(network_args, "loraplus_text_encoder_lr_ratio", float)
-    unet = _optional_number(network_args, "loraplus_unet_lr_ratio", float)
+    ratios = {key: _optional_number(network_args, key, float) for key in LORAPLUS_NETWORK_ARGS}
+    for key, ratio in ratios.items():
+        if ratio is not None and not ratio > 0:
+            raise UserError(f"--network_args {key}={network_args[key]} must be a positive number")
+    general = ratios["loraplus_lr_ratio"]
+    text_encoder, unet = ratios["loraplus_text_encoder_lr_ratio"], ratios["loraplus_unet_lr_ratio"]
     return (text_encoder if text_encoder is not None else general, unet if unet is not None else general)
 
 

@@ -443,6 +443,8 @@ def test_token_warmup_keeps_a_growing_prefix_of_the_flexible_tags():
     assert process_caption(fraction, "a, b, c, d, e, f", 1, rng, step=5, max_train_steps=20) == "a, b, c, d"
     assert process_caption(fraction, "a, b, c, d, e, f", 1, rng, step=10, max_train_steps=20) == "a, b, c, d, e, f"
     assert CaptionOptions(token_warmup_step=4).is_random  # captions change with the step: no text cache
+    # kohya divides first: 49 * (2 / 98) rounds to 0.999..., so one tag, not two
+    assert process_caption(CaptionOptions(token_warmup_step=98), "a, b, c", 1, rng, step=49) == "a"
 
 
 def test_token_warmup_follows_each_batch_optimizer_step(tmp_path):
@@ -486,3 +488,10 @@ def test_debug_dataset_prints_the_first_epoch_without_training(tmp_path, capsys)
     assert any('caption: "sks, tag1", original size: (64, 96), crop top left: (0, 16), target size: (64, 64)' in line
                for line in samples)
     assert not (tmp_path / "out").exists()  # nothing trained or written
+
+
+def test_weighted_captions_are_checked_when_the_dataset_is_built(tmp_path):
+    write_image(tmp_path / "1_sks" / "0.png", (64, 64), caption="sks, (red:1.2.3) hat")
+    with pytest.raises(UserError, match="--weighted_captions: weight '1.2.3'"):
+        dataset_from("--train_data_dir", str(tmp_path), "--caption_extension", ".txt", "--resolution", "64",
+                     "--weighted_captions")

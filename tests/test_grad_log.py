@@ -43,8 +43,10 @@ def args_for(tmp_path: Path, **overrides) -> argparse.Namespace:
 def test_header_variants(tmp_path, with_scale, with_cosine, header):
     log = GradientLog.from_args(args_for(tmp_path, grad_cosine_log=with_cosine), with_scale=with_scale)
     log.start()
+    add_rows(log, [1])
+    log.flush()
     assert log.path == tmp_path / "gradient_logs+last.txt"
-    assert lines(log.path) == [header]
+    assert lines(log.path)[0] == header and len(lines(log.path)) == 2
 
 
 def test_row_formatting_nan_inf_and_empty_threshold(tmp_path):
@@ -74,7 +76,7 @@ def test_rows_are_buffered_and_appended_every_100(tmp_path):
     log = GradientLog(tmp_path / "g.txt", with_scale=False, with_cosine=False)
     log.start()
     add_rows(log, range(1, 100))
-    assert len(lines(log.path)) == 1 and log.pending_rows == 99
+    assert not log.path.exists() and log.pending_rows == 99  # nothing written before the first flush
     add_rows(log, [100])
     assert len(lines(log.path)) == 101 and log.pending_rows == 0
     add_rows(log, range(101, 106))
@@ -91,14 +93,19 @@ def test_flush_creates_the_header_when_start_was_not_called(tmp_path):
     assert lines(log.path) == ["Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff", "1,1,1.0,200000.0,0.5,0"]
 
 
-def test_fresh_start_replaces_an_old_log(tmp_path):
+def test_fresh_start_replaces_an_old_log_at_its_first_flush(tmp_path):
     path = tmp_path / "g.txt"
     old = GradientLog(path, with_scale=False, with_cosine=False)
     old.start()
     add_rows(old, [1, 2])
     old.flush()
-    GradientLog(path, with_scale=False, with_cosine=False).start()
-    assert len(lines(path)) == 1
+    new = GradientLog(path, with_scale=False, with_cosine=False)
+    new.start()
+    new.flush()
+    assert len(lines(path)) == 3  # a run that fails before its first row leaves the old log as it was
+    add_rows(new, [1])
+    new.flush()
+    assert [int(line.split(",")[1]) for line in lines(path)[1:]] == [1]
 
 
 def test_resume_drops_rows_after_the_checkpoint_step_then_appends(tmp_path):
@@ -111,7 +118,7 @@ def test_resume_drops_rows_after_the_checkpoint_step_then_appends(tmp_path):
         file.write("1,151,3.")  # a torn row
     resumed = GradientLog(path, with_scale=True, with_cosine=False)
     resumed.start(resume_step=120)
-    assert [int(line.split(",")[1]) for line in lines(path)[1:]] == list(range(1, 121))
+    assert len(lines(path)) == 152  # untouched until the resumed run flushes a row
     add_rows(resumed, range(121, 131))
     resumed.flush()
     assert [int(line.split(",")[1]) for line in lines(path)[1:]] == list(range(1, 131))
@@ -129,7 +136,10 @@ def test_truncate_after_also_drops_pending_rows(tmp_path):
 def test_resume_without_a_file_starts_one(tmp_path):
     log = GradientLog(tmp_path / "g.txt", with_scale=False, with_cosine=True)
     log.start(resume_step=300)
-    assert lines(log.path) == ["Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff,CosineSim"]
+    add_rows(log, [301])
+    log.flush()
+    assert lines(log.path) == ["Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff,CosineSim",
+                               "1,301,301.0,200000.0,0.5,0,0.25"]
 
 
 def test_resume_with_other_columns_rewrites_rows(tmp_path, caplog):
@@ -138,9 +148,12 @@ def test_resume_with_other_columns_rewrites_rows(tmp_path, caplog):
     old.start()
     add_rows(old, [1, 2])
     old.flush()
-    GradientLog(path, with_scale=False, with_cosine=True).start(resume_step=2)
+    resumed = GradientLog(path, with_scale=False, with_cosine=True)
+    resumed.start(resume_step=2)
+    add_rows(resumed, [3])
+    resumed.flush()
     assert lines(path) == ["Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff,CosineSim",
-                           "1,1,1.0,200000.0,0.5,0,", "1,2,2.0,200000.0,0.5,0,"]
+                           "1,1,1.0,200000.0,0.5,0,", "1,2,2.0,200000.0,0.5,0,", "1,3,3.0,200000.0,0.5,0,0.25"]
     assert "columns change" in caplog.text
 
 

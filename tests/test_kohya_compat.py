@@ -153,9 +153,15 @@ def test_initial_epoch_and_refusals(tiny_models, demo_dataset, tmp_path, capsys)
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "a", "--max_train_steps", "4", "--initial_step", "4"), capsys)
     assert "--max_train_steps 4" in error
-    error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "b", "--initial_step", "2", "--resume", "auto"), capsys)
-    assert "--initial_step" in error and "--resume" in error
+    # a resumed run continues at its state's step: the same command with --resume auto works
+    resumable = args_for(tiny_models, demo_dataset, tmp_path / "b", "--initial_step", "2", "--max_train_steps", "3",
+                         "--save_state_on_train_end")
+    run_trainer("sdxl_train_network", resumable)
+    capsys.readouterr()
+    resumable[resumable.index("--max_train_steps") + 1] = "4"
+    run_trainer("sdxl_train_network", resumable + ["--resume", "auto"])
+    assert "--initial_step/--initial_epoch: ignored" in capsys.readouterr().out
+    assert file_metadata(tmp_path / "b" / "last.safetensors")["ss_steps"] == "4"
 
 
 def test_base_weights_train_on_the_merged_model(tiny_models, demo_dataset, tmp_path, capsys):
@@ -298,20 +304,38 @@ def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_datas
     unet_ups = [value for key, value in weights.items() if key.startswith("lora_unet") and key.endswith("up.weight")]
     assert te_ups and all(value.abs().max() == 0 for value in te_ups)  # still at its zero initialisation
     assert any(value.abs().max() > 0 for value in unet_ups)
+    # the optimizer's groups depend on the untrained parts: a resume must keep them
+    run_trainer("sdxl_train_network", argv + ["--save_state_on_train_end"])
+    changed = argv + ["--resume", "auto"]
+    changed[changed.index("--text_encoder_lr") + 1] = "1e-4"
+    error = train_expecting_user_error(changed, capsys)
+    assert "untrained_parts=['text_encoders']" in error
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", "--unet_lr", "0"), capsys)
     assert "nothing would train" in error
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=1,1,1"), capsys)
     assert "--network_args down_lr_weight: block-wise" in error
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "ratio", "--network_args", "loraplus_unet_lr_ratio=0"), capsys)
+    assert error == "error: --network_args loraplus_unet_lr_ratio=0 must be a positive number"
 
 
 def test_metadata_names_and_hashes_the_base_model(tiny_models, demo_dataset, tmp_path):
     import hashlib
 
     output_dir = tmp_path / "out"
-    run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "1"))
+    thumbnail = tmp_path / "thumb.png"
+    thumbnail.write_bytes(b"\x89PNG fake bytes")
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "1", "--metadata_title", "My LoRA",
+        "--metadata_author", "me", "--metadata_tags", "a,b", "--metadata_thumbnail", str(thumbnail),
+        "--console_log_file", str(tmp_path / "console.log"), "--console_log_level", "DEBUG"))
     metadata = file_metadata(output_dir / "last.safetensors")
+    assert (metadata["modelspec.title"], metadata["modelspec.author"], metadata["modelspec.tags"]) == ("My LoRA", "me",
+                                                                                                        "a,b")
+    assert metadata["modelspec.thumbnail"] == "data:image/png;base64,iVBORyBmYWtlIGJ5dGVz"
+    assert (tmp_path / "console.log").stat().st_size > 0  # the library's log messages went to the file
     model = Path(tiny_models["sdxl_file"])
     data = model.read_bytes()
     assert metadata["ss_sd_model_name"] == model.name
@@ -329,3 +353,35 @@ def test_resuming_a_kohya_state_folder_says_how_to_continue(tiny_models, demo_da
         tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "50", "--resume", str(kohya_state)), capsys)
     assert "a kohya-ss (accelerate) state folder" in error
     assert error.endswith(f"--network_weights {kohya_state / 'model.safetensors'} --initial_step 40")
+
+
+def test_base_weights_invalidate_a_text_encoder_cache_on_disk(tiny_models, demo_dataset, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_dataset, data)  # the cache files go beside the images
+    lora_with_text_encoder = args_for(tiny_models, data, tmp_path / "first", "--max_train_steps", "2",
+                                      "--learning_rate", "5e-2")
+    lora_with_text_encoder.remove("--network_train_unet_only")
+    run_trainer("sdxl_train_network", lora_with_text_encoder)
+    cached = args_for(tiny_models, data, tmp_path / "cached", "--max_train_steps", "1",
+                      "--cache_text_encoder_outputs_to_disk")
+    run_trainer("sdxl_train_network", cached)
+    run_trainer("sdxl_train_network", cached)
+    assert "cached text encoder outputs: 0 captions encoded, 4 read from disk" in capsys.readouterr().out
+    run_trainer("sdxl_train_network", cached + ["--base_weights", str(tmp_path / "first" / "last.safetensors")])
+    assert "cached text encoder outputs: 4 captions encoded, 0 read from disk" in capsys.readouterr().out
+
+
+def test_a_run_that_fails_before_its_first_step_keeps_the_old_logs(tiny_models, demo_dataset, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--grad_norm_log",
+                    "--log_jsonl", str(tmp_path / "steps.jsonl"))
+    run_trainer("sdxl_train_network", argv)
+    before = (output_dir / "gradient_logs+last.txt").read_bytes(), (tmp_path / "steps.jsonl").read_bytes()
+    tracker_config = tmp_path / "trackers.toml"
+    tracker_config.write_text("[tensorboard]\nno_such_option = 1\n")
+    error = train_expecting_user_error(argv + ["--logging_dir", str(tmp_path / "logs"), "--log_tracker_config",
+                                               str(tracker_config)], capsys)
+    assert error.startswith(f"error: --log_tracker_config {tracker_config}: a tracker refused its options")
+    assert ((output_dir / "gradient_logs+last.txt").read_bytes(), (tmp_path / "steps.jsonl").read_bytes()) == before

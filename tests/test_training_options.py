@@ -49,6 +49,13 @@ def test_continue_from_network_weights_and_dim_from_weights(tiny_models, demo_da
     run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / "fifth", "--network_weights",
                                                str(weights), "--network_dim", "8", "--network_alpha", "4",
                                                "--max_train_steps", "1"))
+    # a bf16 file stores alpha 0.3 as 0.30078125: the same --network_alpha still matches it
+    run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / "bf16", "--network_dim", "8",
+                                               "--network_alpha", "0.3", "--save_precision", "bf16",
+                                               "--max_train_steps", "1"))
+    run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / "bf16_more", "--network_weights",
+                                               str(tmp_path / "bf16" / "last.safetensors"), "--network_dim", "8",
+                                               "--network_alpha", "0.3", "--max_train_steps", "1"))
 
 
 def test_bf16_epochs_rotation_and_dropouts(tiny_models, demo_dataset, tmp_path):

@@ -175,7 +175,8 @@ def _shuffle_and_drop_tags(options: CaptionOptions, caption: str, rng: np.random
 
     if warmup_steps and step < warmup_steps:  # kohya's token warm-up: min tags at step 0, all at the end
         minimum = options.token_warmup_min
-        flexible = flexible[: math.floor(step * (len(flexible) - minimum) / warmup_steps) + minimum]
+        # kohya's expression exactly (the division first): the rounding decides the count at some steps
+        flexible = flexible[: math.floor(step * ((len(flexible) - minimum) / warmup_steps)) + minimum]
     if options.shuffle_caption:
         flexible = [flexible[i] for i in rng.permutation(len(flexible))]
     if options.caption_tag_dropout_rate > 0:

@@ -366,6 +366,11 @@ def build_dataset(args: argparse.Namespace, min_bucket_steps: int = 64) -> Train
     validate_latent_cache(args, specs)
     text_cache.validate(args, [subset for spec in specs for subset in spec.subsets])
     plan = plan_datasets(specs, args.skip_bad_images, min_bucket_steps)
+    if getattr(args, "weighted_captions", False):  # a bad weight is reported now, not at its first batch
+        for image in plan.images:
+            options = image.subset.captions
+            text_encoding.parse_weighted_caption(
+                " ".join(filter(None, [options.caption_prefix, image.caption, options.caption_suffix])))
     seed = args.seed if args.seed is not None else 0
     return TrainDataset(plan, seed)
 

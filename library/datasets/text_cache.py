@@ -69,11 +69,14 @@ def fixed_caption(image: PlannedImage) -> str:
 
 
 def text_encoders_fingerprint(text_encoders) -> str:
+    """A short hash of the first values of every weight of the text encoders as they run (after the
+    cast to the training dtype): another model, or LoRAs merged in with --base_weights, give
+    another fingerprint."""
     digest = hashlib.sha1()
     for encoder in text_encoders:
-        weight = encoder.get_input_embeddings().weight
-        digest.update(weight.detach()[:64].to("cpu", torch.float16).numpy().tobytes())
-        digest.update(str(encoder.config.num_hidden_layers).encode())
+        for name, weight in encoder.state_dict().items():
+            digest.update(name.encode())
+            digest.update(weight.detach().reshape(-1)[:64].to("cpu", torch.float32).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
