@@ -70,3 +70,16 @@ def run_trainer(script: str, argv: list[str]) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     importlib.import_module(script).main(argv=argv)
+
+
+def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_train_network") -> str:
+    """Run a training that must stop on a user mistake: exit code 2 and one line on stderr (returned)."""
+    from library.errors import exit_on_user_error
+
+    capsys.readouterr()  # only this run's output
+    with pytest.raises(SystemExit) as exited:
+        exit_on_user_error(lambda: run_trainer(script, argv))
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    return error

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from conftest import model_args, run_trainer
+from conftest import model_args, run_trainer, train_expecting_user_error
 
 from library import compatibility, config_file
-from library.errors import exit_on_user_error
 from networks import lora
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,16 +24,6 @@ def args_for(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[
         "--output_dir", str(output_dir), "--seed", "3", "--max_data_loader_n_workers", "0",
         "--network_train_unet_only", "--network_dim", "4", *extra,
     ]
-
-
-def train_expecting_user_error(argv: list[str], capsys) -> str:
-    capsys.readouterr()  # only this run's output
-    with pytest.raises(SystemExit) as exited:
-        exit_on_user_error(lambda: run_trainer("sdxl_train_network", argv))
-    assert exited.value.code == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1
-    return error
 
 
 def grad_log_rows(output_dir: Path) -> list[dict[str, str]]:

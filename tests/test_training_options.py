@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer
+from conftest import model_args, run_trainer, train_expecting_user_error
 
-from library.errors import exit_on_user_error
 from networks import lora
 
 
@@ -33,19 +32,15 @@ def test_continue_from_network_weights_and_dim_from_weights(tiny_models, demo_da
     assert all(saved[key].shape == continued[key].shape for key in saved)
     assert continued["lora_unet_input_blocks_4_1_proj_in.alpha"].item() == 4.0
     # the same file with another --network_dim is refused by name
-    with pytest.raises(SystemExit) as exited:
-        exit_on_user_error(lambda: run_trainer("sdxl_train_network", args_for(
-            tiny_models, demo_dataset, tmp_path / "third", "--network_weights", str(weights), "--network_dim", "4",
-            "--max_train_steps", "1")))
-    assert exited.value.code == 2
-    assert "--network_weights" in capsys.readouterr().err
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "third", "--network_weights", str(weights), "--network_dim", "4",
+        "--max_train_steps", "1"), capsys)
+    assert "--network_weights" in error
     # the same rank with another alpha: training would use one scale and save the other
-    with pytest.raises(SystemExit) as exited:
-        exit_on_user_error(lambda: run_trainer("sdxl_train_network", args_for(
-            tiny_models, demo_dataset, tmp_path / "fourth", "--network_weights", str(weights), "--network_dim", "8",
-            "--max_train_steps", "1")))
-    assert exited.value.code == 2
-    assert "alpha is 4, this network's is 1; pass the file's alpha with --network_alpha" in capsys.readouterr().err
+    error = train_expecting_user_error(args_for(
+        tiny_models, demo_dataset, tmp_path / "fourth", "--network_weights", str(weights), "--network_dim", "8",
+        "--max_train_steps", "1"), capsys)
+    assert "alpha is 4, this network's is 1; pass the file's alpha with --network_alpha" in error
     run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / "fifth", "--network_weights",
                                                str(weights), "--network_dim", "8", "--network_alpha", "4",
                                                "--max_train_steps", "1"))
