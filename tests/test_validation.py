@@ -17,7 +17,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from conftest import model_args, run_trainer
+from conftest import model_args, run_trainer, train_expecting_user_error
 from PIL import Image
 from safetensors import safe_open
 
@@ -26,7 +26,6 @@ import train_network
 from library import noise, text_encoding, validation
 from library.datasets import dataset as datasets
 from library.datasets.plan import split_train_validation
-from library.errors import exit_on_user_error
 from networks import lora
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,23 +176,13 @@ def test_fixed_timesteps_and_the_batch_cap(six_images):
 
 
 # -- bad values -----------------------------------------------------------------------------------
-def expect_user_error(argv: list[str], capsys, script: str = "sdxl_train_network") -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        exit_on_user_error(lambda: run_trainer(script, argv))
-    assert exited.value.code == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1
-    return error
-
-
 @pytest.mark.parametrize("flag, value", [
     ("validation_split", "1.0"), ("validation_split", "-0.1"), ("validate_every_n_steps", "0"),
     ("validate_every_n_epochs", "-1"), ("max_validation_steps", "0"),
 ])
 def test_bad_flag_values_are_refused_by_name(flag, value, tiny_models, six_images, tmp_path, capsys):
     output_dir = tmp_path / "out"
-    error = expect_user_error(trainer_args(tiny_models, six_images, output_dir, f"--{flag}", value), capsys)
+    error = train_expecting_user_error(trainer_args(tiny_models, six_images, output_dir, f"--{flag}", value), capsys)
     assert error.startswith(f"error: --{flag} {value} must be")
     assert not output_dir.exists()
 
@@ -203,17 +192,17 @@ def test_bad_dataset_values_are_refused_by_name(tiny_models, six_images, tmp_pat
     config.write_text(f'[[datasets]]\nresolution = 64\nvalidation_split = 1.5\n\n'
                       f'[[datasets.subsets]]\nimage_dir = "{six_images / "1_thing"}"\n')
     argv = trainer_args(tiny_models, six_images, tmp_path / "out", "--dataset_config", str(config))
-    assert "[[datasets]] #1: validation_split 1.5 must be" in expect_user_error(argv, capsys)
+    assert "[[datasets]] #1: validation_split 1.5 must be" in train_expecting_user_error(argv, capsys)
     # kohya does not split fine-tuning datasets: refused instead of validating on the training images
     metadata = tmp_path / "meta.json"
     metadata.write_text(json.dumps({"00": {"caption": "thing"}}))
     argv = trainer_args(tiny_models, six_images / "1_thing", tmp_path / "out", "--in_json", str(metadata),
                         "--validation_split", "0.5")
-    error = expect_user_error(argv, capsys)
+    error = train_expecting_user_error(argv, capsys)
     assert error.startswith(f"error: --in_json {metadata}: validation_split 0.5 needs DreamBooth subsets")
     # 6 images at 0.1 keep ceil(5.4) = 6 for training: nothing to validate on
     argv = trainer_args(tiny_models, six_images, tmp_path / "out", "--validation_split", "0.1")
-    assert "validation_split 0.1 holds out no image" in expect_user_error(argv, capsys)
+    assert "validation_split 0.1 holds out no image" in train_expecting_user_error(argv, capsys)
     assert not (tmp_path / "out").exists()
 
 
