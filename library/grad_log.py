@@ -3,7 +3,8 @@
 File ``gradient_logs+<output_name>.txt`` in ``--grad_norm_log_dir`` (default
 ``--output_dir``), header ``Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff``
 then ``,Scale`` with a GradScaler and ``,CosineSim`` with ``--grad_cosine_log``;
-one row per optimizer step (see ``docs/grad_guard_spec.md``).
+one row per optimizer step (see ``docs/grad_guard_spec.md``). Readers (``tools/``) use
+:func:`is_fork_layout` to also read logs of the original ``--skip_grad_norm`` fork.
 
 Typical use by a trainer::
 
@@ -50,6 +51,39 @@ def format_number(value: float) -> str:
 def log_columns(with_scale: bool, with_cosine: bool) -> list[str]:
     """The header columns for a log with/without the Scale and CosineSim columns."""
     return [*BASE_COLUMNS, *(["Scale"] if with_scale else []), *(["CosineSim"] if with_cosine else [])]
+
+
+def parse_cell(text: str | None) -> float:
+    """A log cell as a float (``nan``/``inf`` understood); NaN when empty, absent or not a number."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def is_fork_layout(steps: Iterable[float], epochs: Iterable[float] | None = None) -> bool:
+    """Whether a log's ``Step``/``Epoch`` columns are in the original ``--skip_grad_norm`` fork's layout.
+
+    Ours: ``Step`` is the 1-based global optimizer step, strictly increasing down the file
+    (a resume drops the rows after its step first), and ``Epoch`` is 1-based. The fork wrote
+    the 0-based batch index within the epoch as ``Step`` (restarting at 0 every epoch) and a
+    0-based ``Epoch``. So a Step not above the row before (the first row: not above 0) or an
+    Epoch of 0 means the fork's layout. Readers then take the rows in file order, row i being
+    global step i (1-based): the order in which the fork's guard saw them. A fork log that
+    covers part of one epoch after a resume cannot be told apart and is read by its Steps.
+    """
+    previous = 0.0
+    for step in steps:
+        if not step > previous:
+            return True
+        previous = step
+    return epochs is not None and any(epoch == 0 for epoch in epochs)
+
+
+def fork_layout_note(path: str | os.PathLike[str], rows: int) -> str:
+    """The one line a reader prints when :func:`is_fork_layout` holds for the log at ``path``."""
+    return (f"{path}: Step restarts every epoch or Epoch starts at 0 (the original --skip_grad_norm fork's "
+            f"layout): rows taken in file order as global steps 1..{rows}")
 
 
 class GradientLog:

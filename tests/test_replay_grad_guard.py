@@ -14,7 +14,7 @@ import pytest
 
 from library import grad_guard
 from library.errors import exit_on_user_error
-from library.grad_log import GradientLog
+from library.grad_log import GradientLog, is_fork_layout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "replay_grad_guard.py"
@@ -134,3 +134,60 @@ def test_bad_flag_value_from_the_command_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: --idle_free_len must be a whole number of optimizer "
                                                   "steps >= 1 (got -1)"]
+
+
+def write_fork_layout_log(global_log: Path, path: Path, rows_per_epoch: int) -> None:
+    """The same rows as the original --skip_grad_norm fork writes them: Epoch 0-based, Step the
+    0-based batch index within the epoch, a NaN threshold written as ``nan``, no resume."""
+    rows = read_csv(global_log)
+    with open(path, "w", encoding="utf-8", newline="") as file:
+        file.write(",".join(rows[0]) + "\n")
+        for index, row in enumerate(rows):
+            row.update(Epoch=str(index // rows_per_epoch), Step=str(index % rows_per_epoch),
+                       Threshold=row["Threshold"] or "nan", ThreshOff=str(min(int(row["ThreshOff"]), 1)))
+            file.write(",".join(row.values()) + "\n")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--skip_grad_norm", "--nan_to_window", "--no-skip_nan_immediate", "--nan_inf_until_step", "300"],
+    ["--grad_guard_preset", "stable", "--auto_cap_release", "--idle_free_phase", "--idle_max_steps", "60",
+     "--idle_free_len", "15", "--nan_inf_until_step", "250"],
+])
+def test_fork_layout_log_replays_as_global_steps(tmp_path, capsys, flags):
+    """A log of the original fork (Step restarts every epoch, Epoch from 0) replays exactly like the same
+    rows in our global-step layout, including a --nan_inf_until_step in its 2nd epoch."""
+    global_log, fork_log = tmp_path / "global.txt", tmp_path / "fork.txt"
+    write_training_log(global_log, ["--grad_norm_log"], training_norms())
+    write_fork_layout_log(global_log, fork_log, rows_per_epoch=200)
+    assert read_csv(fork_log)[200]["Step"] == "0" and read_csv(fork_log)[200]["Epoch"] == "1"
+
+    replay_tool.main([str(global_log), "--out", str(tmp_path / "global.csv"), *flags])
+    global_output = capsys.readouterr()
+    replay_tool.main([str(fork_log), "--out", str(tmp_path / "fork.csv"), *flags])
+    fork_output = capsys.readouterr()
+
+    assert (tmp_path / "fork.csv").read_text() == (tmp_path / "global.csv").read_text()
+    assert fork_output.err == global_output.err and "reached at step " in fork_output.err  # the switch line
+    note, summary = fork_output.out.splitlines()
+    assert summary == global_output.out.strip()
+    assert note.startswith(f"{fork_log}: ") and "fork" in note and "global steps 1..520" in note
+    replayed = read_csv(tmp_path / "fork.csv")
+    assert [row["Step"] for row in replayed] == [str(step) for step in range(1, 521)]
+    if "300" in flags:  # NaN at step 261 enters the window; the one at step 401 is skipped after the switch
+        assert (replayed[260]["Gradient Norm"], replayed[260]["Skipped"]) == ("nan", "0")
+        assert (replayed[400]["Gradient Norm"], replayed[400]["Skipped"]) == ("nan", "1")
+    else:
+        assert {row["ThreshOff"] for row in replayed} == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize("steps, epochs, fork", [
+    ([1, 2, 3], [1, 1, 2], False),
+    ([501, 502, 503], [3, 3, 3], False),  # our log of a run started with --initial_step
+    ([1, 2, 3], None, False),
+    ([0, 1, 2], [0, 0, 0], True),  # the fork, one epoch
+    ([5, 6, 0, 1], [2, 2, 3, 3], True),  # the fork, resumed mid-epoch: Step restarts
+    ([1, 2, 3], [0, 0, 0], True),
+    ([1, 1, 2], None, True),
+])
+def test_layout_detection(steps, epochs, fork):
+    assert is_fork_layout(steps, epochs) is fork

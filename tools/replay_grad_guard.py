@@ -3,7 +3,9 @@
     python tools/replay_grad_guard.py LOG.csv --out OUT.csv [guard flags]
 
 Reads any ``gradient_logs+*.txt`` (only ``Step`` and ``Gradient Norm`` are used;
-``nan``/``inf`` are understood), runs the trainers' own decision code
+``nan``/``inf`` are understood; ``Epoch`` only to recognise a log of the original
+``--skip_grad_norm`` fork, whose Step restarts every epoch: its rows are replayed in file
+order as global steps 1..N, said in one line on stdout), runs the trainers' own decision code
 (``library.grad_guard``) with the given flags, and writes
 ``Step,Gradient Norm,Threshold,ThreshOff,Skipped`` (one row per input row,
 Threshold empty when NaN) plus a one-line summary on stdout. Use it to tune
@@ -23,7 +25,7 @@ from typing import Sequence  # noqa: E402
 
 from library import grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
-from library.grad_log import format_number  # noqa: E402
+from library.grad_log import fork_layout_note, format_number, is_fork_layout, parse_cell  # noqa: E402
 
 OUTPUT_COLUMNS = ("Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped")
 
@@ -39,16 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_norms(path: Path) -> list[tuple[int, float]]:
-    """(Step, Gradient Norm) of every row of a gradient log; UserError naming the line when unreadable."""
+def read_norms(path: Path) -> tuple[list[tuple[int, float]], bool]:
+    """(Step, Gradient Norm) of every row of a gradient log, and whether the log is in the original fork's
+    layout (see :func:`library.grad_log.is_fork_layout`; then Step is the 1-based row number).
+    UserError naming the line when a Step or norm is unreadable."""
     try:
         with open(path, encoding="utf-8", newline="") as file:
             reader = csv.DictReader(file)
             missing = {"Step", "Gradient Norm"} - set(reader.fieldnames or [])
             if missing:
                 raise UserError(f"{path}: not a gradient log, missing column(s) {', '.join(sorted(missing))}")
-            rows = []
+            rows, epochs = [], []
             for row in reader:
+                epochs.append(parse_cell(row.get("Epoch")))  # unused otherwise: never an error
                 try:
                     rows.append((int(float(row["Step"])), float(row["Gradient Norm"])))
                 except (TypeError, ValueError):
@@ -59,7 +64,9 @@ def read_norms(path: Path) -> list[tuple[int, float]]:
         raise UserError(f"{path}: cannot read the gradient log ({error.strerror or error})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a text CSV gradient log") from None
-    return rows
+    if not is_fork_layout((step for step, _ in rows), epochs):
+        return rows, False
+    return [(number, norm) for number, (_, norm) in enumerate(rows, 1)], True
 
 
 def replay(rows: Sequence[tuple[int, float]], config: grad_guard.GuardConfig
@@ -98,7 +105,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, argv))
     config = grad_guard.GuardConfig.from_args(args)
-    results = replay(read_norms(Path(args.log)), config)
+    rows, fork_layout = read_norms(Path(args.log))
+    if fork_layout:
+        print(fork_layout_note(args.log, len(rows)))
+    results = replay(rows, config)
     write_replay(Path(args.out), results)
     print(summary(results, config))
 
