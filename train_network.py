@@ -25,16 +25,16 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, send
 from tqdm import tqdm
 
 from library import (
-    compatibility, config_file, fault_injection, grad_guard, lora_files, loss_scaling, losses, model_loading, noise,
-    optimizers,
+    compatibility, config_file, fault_injection, fp8_base, grad_guard, lora_files, loss_scaling, losses, model_loading,
+    noise, optimizers,
 )
-from library import lora_metadata, sampling, sharding, text_encoding, tracking, train_state, validation
+from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.grad_log import GradientLog, install_flush_handlers
 from library.interrupts import StopRequest
 from library.model_loading import StableDiffusionModels
-from networks import lora, merge_lora
+from networks import merge_lora, network_base, registry
 
 NOTHING_TO_TRAIN = "--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train"
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -67,15 +67,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     """LoRA network options (kohya's train_network.py names)."""
     parser.add_argument("--network_module", type=str, default="networks.lora",
-                        help="network module; only networks.lora is provided (default networks.lora)")
+                        help="network type (kohya's names, see docs/network_types.md): "
+                             f"{', '.join(registry.NETWORK_MODULES)} (default networks.lora)")
     parser.add_argument("--network_dim", type=int, default=None, help="LoRA rank (default 4)")
     parser.add_argument("--network_alpha", type=float, default=1.0,
                         help="LoRA alpha; the output is scaled by alpha/dim (default 1)")
     parser.add_argument("--network_dropout", type=float, default=None,
                         help="dropout probability on the LoRA down output (default off)")
     parser.add_argument("--network_args", type=str, default=None, nargs="*",
-                        help="key=value network options: conv_dim, conv_alpha, rank_dropout, module_dropout, and "
-                             "LoRA+: loraplus_lr_ratio, loraplus_unet_lr_ratio, loraplus_text_encoder_lr_ratio")
+                        help="key=value options of the network type, e.g. for networks.lora: conv_dim, conv_alpha, "
+                             "rank_dropout, module_dropout, and LoRA+: loraplus_lr_ratio, loraplus_unet_lr_ratio, "
+                             "loraplus_text_encoder_lr_ratio (see docs/network_types.md)")
     parser.add_argument("--network_weights", type=str, default=None, help="LoRA file to continue training from")
     parser.add_argument("--base_weights", type=str, default=None, nargs="*",
                         help="LoRA files merged into the base model before training (the new LoRA learns on top)")
@@ -105,6 +107,7 @@ def setup_parser() -> argparse.ArgumentParser:
     lora_files.add_arguments(parser)
     lora_metadata.add_arguments(parser)
     add_training_arguments(parser)
+    fp8_base.add_arguments(parser)
     tracking.add_arguments(parser)
     add_network_arguments(parser)
     noise.add_arguments(parser)
@@ -119,8 +122,9 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad values before anything is loaded or written."""
+def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
+    """Refuse bad values, and paths that cannot be read or written, before anything is loaded or
+    written; ``sdxl``: the model the entry script trains."""
     positive = {
         "max_train_steps": args.max_train_steps,
         "max_train_epochs": args.max_train_epochs,
@@ -131,6 +135,9 @@ def validate_arguments(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UserError(f"--{flag} {value} must be a positive integer")
+    if args.network_alpha is not None and not (math.isfinite(args.network_alpha) and args.network_alpha >= 0):
+        raise UserError(f"--network_alpha {args.network_alpha} must be a number >= 0 (the LoRA output is scaled by "
+                        f"alpha/dim; 0 means alpha = dim, as in kohya)")
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise UserError(f"--learning_rate {args.learning_rate} must be a positive number")
     # kohya: a part whose learning rate is 0 is not trained
@@ -142,13 +149,10 @@ def validate_arguments(args: argparse.Namespace) -> None:
     for flag, precision in (("full_fp16", "fp16"), ("full_bf16", "bf16")):
         if getattr(args, flag) and args.mixed_precision != precision:
             raise UserError(f"--{flag} needs --mixed_precision {precision} (got {args.mixed_precision})")
+    fp8_base.validate_arguments(args)
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
-    if args.network_module != "networks.lora":
-        raise UserError(f"--network_module {args.network_module}: only networks.lora is available")
-    for path in args.base_weights or []:
-        if not os.path.isfile(path):
-            raise UserError(f"--base_weights {path}: no such LoRA file")
+    registry.validate(args.network_module, network_base.parse_network_args(args.network_args))
     if (args.network_train_text_encoder_only or args.unet_lr == 0) and (
             args.network_train_unet_only or (args.text_encoder_lr and all(lr == 0 for lr in args.text_encoder_lr))):
         raise UserError(NOTHING_TO_TRAIN)
@@ -164,6 +168,12 @@ def validate_arguments(args: argparse.Namespace) -> None:
     compatibility.refuse_unsupported(args)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
+    if os.path.dirname(args.output_name):
+        # State rotation and --resume auto look for the run's files in --output_dir itself.
+        folder, name = os.path.split(args.output_name)
+        raise UserError(f"--output_name {args.output_name}: give a file name without folders; put the folder "
+                        f"into --output_dir (e.g. --output_dir {os.path.join(args.output_dir, folder)} "
+                        f"--output_name {name})")
     lora_metadata.validate_arguments(args)
     train_state.validate_arguments(args)
     optimizers.validate_args(args)
@@ -174,6 +184,13 @@ def validate_arguments(args: argparse.Namespace) -> None:
     for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
+    grad_guard.validate_arguments(args)
+    noise.validate_arguments(args, noise.training_noise_scheduler(args.zero_terminal_snr).config.num_train_timesteps)
+    fault_injection.parse_injections(args.debug_inject_grad)
+    preflight.check_output_paths(args)
+    if not args.debug_dataset:  # it shows the dataset and stops: no model, no LoRA read (as in kohya)
+        preflight.check_input_files(args)
+        model_loading.check_model_paths(args, sdxl=sdxl)
 
 
 @dataclass
@@ -205,6 +222,7 @@ class NetworkTrainer:
             tokenizer_cache_dir=args.tokenizer_cache_dir,
             vae_path=args.vae,
             device=model_loading.load_device(args),
+            stored_dtype=fp8_base.stored_dtype_rule(args),
         )
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
@@ -227,9 +245,10 @@ class NetworkTrainer:
 
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
-        validate_arguments(args)
+        validate_arguments(args, sdxl=self.is_sdxl)
         tracking.setup_console_log(args)
         compatibility.apply_aliases(args)
+        sampling.drop_unused_prompt_file(args)  # before loading: decides whether sampling keeps the VAE/text encoders
         grad_guard.apply_preset(args, explicit)
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
@@ -260,14 +279,20 @@ class NetworkTrainer:
         compatibility.select_attention(args, models.unet, device.type, announce=print)
         if args.base_weights:
             merge_lora.merge_base_weights(models, args.base_weights, args.base_weights_multiplier)
+        fp8_base.store_frozen_weights(args, models, autocast_dtype)  # before the network wraps the layers
         noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
-        noise.validate_arguments(args, noise_scheduler.config.num_train_timesteps)
         network = self.create_network(args, models)
         train_unet = not args.network_train_text_encoder_only
         train_text_encoder = not args.network_train_unet_only
         network.apply_to(apply_text_encoder=train_text_encoder, apply_unet=train_unet)
+        if not network.all_loras():
+            raise UserError(f"--network_module {args.network_module}: no modules in the parts being trained (it has "
+                            f"no text encoder modules, or --network_args excluded them all)")
         if args.network_weights and not args.dim_from_weights:
             network.load_weights(args.network_weights)
+        if args.scale_weight_norms and not network.supports_max_norm():
+            raise UserError(f"--scale_weight_norms: {network.network_module} does not support max-norm "
+                            f"regularisation; remove the option")
         self.place_models(args, models, device, autocast_dtype, train_text_encoder)
         # kohya's --full_fp16/--full_bf16: the LoRA itself in the autocast dtype (no float32 master copy).
         network.to(device, dtype=autocast_dtype if args.full_fp16 or args.full_bf16 else None)
@@ -277,7 +302,7 @@ class NetworkTrainer:
 
         param_groups = network.prepare_optimizer_params(
             args.text_encoder_lr, args.unet_lr, args.learning_rate,
-            lora.loraplus_ratios(lora.parse_network_args(args.network_args)))
+            network_base.loraplus_ratios(network_base.parse_network_args(args.network_args)))
         if not param_groups:  # e.g. more --text_encoder_lr values than encoders, the used ones 0
             raise UserError(NOTHING_TO_TRAIN)
         trainable_params = [p for group in param_groups for p in group["params"]]
@@ -308,6 +333,7 @@ class NetworkTrainer:
         # -- resume -------------------------------------------------------------------------
         store = train_state.StateStore(
             args.output_dir, args.output_name, train_state.protected_arguments(args, accelerator.num_processes),
+            save_dtype=lora_files.SAVE_DTYPES[args.save_precision],
             before_rename=fault_injection.state_write_hook(args.debug_kill_in_state_write),
         )
         progress_state = train_state.Progress(
@@ -326,8 +352,10 @@ class NetworkTrainer:
         if grad_log is not None:
             grad_log.start(resume_step=resume_step)
 
-        def save_state(name: str) -> None:
-            states.save(name, progress_state)
+        def save_state(name: str) -> bool:
+            return states.save(name, progress_state)
+
+        keep_step_states, keep_epoch_states = train_state.kept_states(args)
 
         metadata = {} if not accelerator.is_main_process else lora_metadata.run_metadata(  # only the main process writes
             args,
@@ -342,7 +370,7 @@ class NetworkTrainer:
                 "num_batches_per_epoch": len(dataloader),
                 "num_epochs": num_epochs,
                 "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
-                "network_args": lora.parse_network_args(args.network_args),
+                "network_args": network_base.parse_network_args(args.network_args),
                 "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
             },
         )
@@ -381,8 +409,12 @@ class NetworkTrainer:
                 jsonl.append(progress_state.global_step, scalars)
 
         try:
+            # Schedule-free optimizers: samples, validation and files see the averaged weights (eval
+            # mode). A resumed state was saved in eval mode: train mode comes after this sample.
+            optimizers.enter_eval_mode(optimizer)
             sampling.sample_images(args, accelerator, models, network, device, when="first",
                                    step=progress_state.global_step)
+            optimizers.enter_train_mode(optimizer)
             while progress_state.global_step < args.max_train_steps:
                 epoch = progress_state.epoch
                 first_step = progress_state.global_step - progress_state.batches_done // args.gradient_accumulation_steps
@@ -422,6 +454,7 @@ class NetworkTrainer:
                                        loss_value, avr_loss, measured, decision, max_norm_logs)
                     if jsonl is not None:
                         jsonl.append(step, logs)
+                    optimizers.enter_eval_mode(optimizer)  # every step on every process, as kohya
                     if validator is not None and validator.due_after_step(step):  # before this step's state
                         validate("step", f"after step {step}")
                     if accelerator.is_main_process:
@@ -429,13 +462,15 @@ class NetworkTrainer:
                         sampling.sample_images(args, accelerator, models, network, device, when="step", step=step)
                         if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
                             flush_logs()
-                            save_state(train_state.step_state_name(args.output_name, step))
-                            store.rotate("step", step, args.save_last_n_steps_state)
+                            if save_state(train_state.step_state_name(args.output_name, step)):
+                                store.rotate("step", step, args.save_every_n_steps, keep_step_states)
+                    optimizers.enter_train_mode(optimizer)
                 if stop.requested:
                     break
                 if progress_state.batches_done >= len(dataloader):  # the epoch is complete
                     progress_state.epoch += 1
                     progress_state.batches_done = 0
+                    optimizers.enter_eval_mode(optimizer)
                     if validator is not None and validator.due_after_epoch(epoch):
                         validate("epoch", f"after epoch {epoch} (step {progress_state.global_step})")
                     if accelerator.is_main_process:
@@ -446,8 +481,9 @@ class NetworkTrainer:
                         every = args.save_every_n_epochs
                         if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
                             flush_logs()
-                            save_state(train_state.epoch_state_name(args.output_name, epoch))
-                            store.rotate("epoch", epoch, args.save_last_n_epochs_state)
+                            if save_state(train_state.epoch_state_name(args.output_name, epoch)):
+                                store.rotate("epoch", epoch, every, keep_epoch_states)
+                    optimizers.enter_train_mode(optimizer)
         finally:
             progress.close()
             flush_logs()
@@ -459,13 +495,16 @@ class NetworkTrainer:
 
         if stop.requested:
             if args.save_state and accelerator.is_main_process:
-                save_state(train_state.step_state_name(args.output_name, progress_state.global_step))
-                print(f"interrupted at step {progress_state.global_step}; state saved. Resume with the same "
-                      f"command plus --resume auto", flush=True)
+                saved = save_state(train_state.step_state_name(args.output_name, progress_state.global_step))
+                print(f"interrupted at step {progress_state.global_step}; "
+                      + ("state saved" if saved else "its state was refused (see above)")
+                      + ". Resume with the same command plus --resume auto", flush=True)
             else:
                 print(f"interrupted at step {progress_state.global_step}; no state saved (--save_state is off)",
                       flush=True)
             sys.exit(stop.exit_code)
+        # schedule-free: the file holds the averaged weights (an interrupted run's state, above, stays in train mode)
+        optimizers.enter_eval_mode(optimizer)
         if args.debug_report_weights:
             fault_injection.report_weights(accelerator.process_index, network.lora_state_dict())
         if accelerator.is_main_process:
@@ -540,14 +579,19 @@ class NetworkTrainer:
         return logs
 
     # -- pieces of the loop --------------------------------------------------------------
-    def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> lora.LoRANetwork:
+    def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> network_base.AdapterNetwork:
+        """The ``--network_module`` type's network for these models (from ``--network_weights`` with
+        ``--dim_from_weights``); not yet applied."""
         module_names = self.unet_module_names(models)
+        network_type = registry.network_type(args.network_module)
+        network_args = network_base.parse_network_args(args.network_args)
         if args.dim_from_weights:
-            weights = lora.read_lora_file(args.network_weights)
-            network = lora.create_network_from_weights(1.0, weights, models.text_encoders, models.unet, module_names)
-            network.load_state_dict(weights, strict=True)
+            weights = network_base.read_lora_file(args.network_weights)
+            network = network_type.create_network_from_weights(1.0, weights, models.text_encoders, models.unet,
+                                                               module_names, **network_args)
+            network.load_weights(args.network_weights)
             return network
-        return lora.create_network(
+        return network_type.create_network(
             1.0,
             args.network_dim,
             args.network_alpha,
@@ -556,21 +600,19 @@ class NetworkTrainer:
             models.unet,
             neuron_dropout=args.network_dropout,
             unet_module_names=module_names,
-            **lora.parse_network_args(args.network_args),
+            **network_args,
         )
 
     def place_models(
         self, args: argparse.Namespace, models: StableDiffusionModels, device: torch.device,
         autocast_dtype: torch.dtype, train_text_encoder: bool,
     ) -> None:
-        """Frozen weights go to the device in the autocast dtype (less memory, no per-step cast)."""
+        """Frozen weights go to the device in the autocast dtype (less memory, no per-step cast);
+        float8 weights (``--fp8_base``) stay float8."""
         for model in [models.unet, models.vae, *models.text_encoders]:
             model.requires_grad_(False)
-        # torch's Module.to, not diffusers' override: the latter warns on every dtype cast about
-        # "modules to keep in float32" although these models list none.
-        torch.nn.Module.to(models.unet, device, dtype=autocast_dtype)
-        for text_encoder in models.text_encoders:
-            text_encoder.to(device, dtype=autocast_dtype)
+        for model in [models.unet, *models.text_encoders]:
+            fp8_base.move(model, device, autocast_dtype)
         vae_dtype = torch.float32 if args.no_half_vae else autocast_dtype
         torch.nn.Module.to(models.vae, device, dtype=vae_dtype)
         models.vae.eval()
@@ -683,7 +725,7 @@ def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indi
     return (mean + std * eps) * vae.config.scaling_factor
 
 
-def max_norm_scalars(stats: lora.MaxNormStats) -> dict[str, float]:
+def max_norm_scalars(stats: network_base.MaxNormStats) -> dict[str, float]:
     """kohya's tracker scalars of ``--scale_weight_norms``. Reading them is a second host sync
     per step, paid only when the option is on (the stats exist only after the optimizer step)."""
     keys_scaled, mean_norm, max_norm = torch.stack(

@@ -1,9 +1,9 @@
-"""Dataset throughput: header scan, decode+resize+crop, and cached-latent batches (memory and disk).
+"""Dataset throughput: image check scan, decode+resize+crop, and cached-latent batches (memory and disk).
 
     python benchmarks/bench_dataset.py [--count 48] [--image_size 1344x896] [--resolution 1024] [--batch_size 4]
 
 Writes ``count`` JPEG photos-like images into a temporary DreamBooth folder, then prints
-images per second for: reading the headers (the up-front check), producing training
+images per second for: the up-front check (each file decoded once), producing training
 batches from pixels (decode, EXIF, resize, crop, flip, caption), and producing batches
 from cached latents held in memory and read from kohya-style ``.npz`` files. The cached
 latents are random tensors of the real shape written through the real cache code: the
@@ -73,7 +73,7 @@ def main() -> None:
 
         start = time.perf_counter()
         plan_datasets(dataset_specs(args), skip_bad_images=False, min_bucket_steps=32)
-        rate("header scan (size, EXIF, buckets)", options.count, time.perf_counter() - start)
+        rate("check scan (decode, size, EXIF, buckets)", options.count, time.perf_counter() - start)
 
         dataset = build_dataset(args, min_bucket_steps=32)
         start = time.perf_counter()

@@ -1,18 +1,25 @@
 """Full-size SDXL LoRA training on this machine: model load, step time and peak memory.
 
     python benchmarks/bench_full_sdxl.py [--work_dir /tmp/bench_full_sdxl] [--steps 4] [--resolution 256]
+                                         [--mixed_precision no|fp16|bf16] [--fp8_base]
 
 Builds once into ``--work_dir`` (kept across runs): a full-size SDXL base single file with
 random weights (fp16, original layout, architecture from ``library/model_configs/sdxl_base``,
 init scaled so a forward pass is finite), the real CLIP tokenizers
 (``tools/build_clip_tokenizers.py``) and a 4-image dataset (``tools/make_demo_dataset.py``).
-Then trains with ``sdxl_train_network.py`` in a fresh process: batch 1, ``--mixed_precision no``,
-rank 4 UNet-only LoRA, cached latents and text encoder outputs, gradient checkpointing, AdamW.
+Then trains with ``sdxl_train_network.py`` in a fresh process: batch 1, ``--mixed_precision no``
+(default; ``bf16`` with ``--fp8_base``), rank 4 UNet-only LoRA, cached latents and text encoder
+outputs, gradient checkpointing, AdamW.
 
 The child samples ``RssAnon``/``RssFile`` of ``/proc/self/status`` in a background thread and
 reads ``VmHWM`` (the kernel's peak of the total) at the end. The saved LoRA is checked against
 kohya's module set (722 UNet modules, names and shapes) and for finite values. The last line is
-``load_s=.. first_step_s=.. step_s=.. peak_rss_gib=.. unet_modules=..``. Not run in CI.
+``load_s=.. first_step_s=.. step_s=.. peak_rss_gib=.. first_loss=.. unet_modules=..``.
+
+Each run's figures are kept in ``<work_dir>/result_<mixed precision>[_fp8].json``; a ``--fp8_base``
+run then compares itself with the stored runs without it (same file, seed and data): peak RSS
+and first-step loss (the loss before any update, so it compares the forward passes). Run the
+variants one after the other, never two at once (each needs most of a 24 GiB machine). Not run in CI.
 """
 from __future__ import annotations
 
@@ -75,7 +82,8 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 import sdxl_train_network
 trainer_class = sdxl_train_network.SdxlNetworkTrainer
-marks = {{"step_start": [], "step_end": [], "cpu_start": [], "cpu_end": [], "sys_start": [], "sys_end": []}}
+marks = {{"step_start": [], "step_end": [], "cpu_start": [], "cpu_end": [], "sys_start": [], "sys_end": [],
+         "losses": []}}
 original_load, original_window = trainer_class.load_models, trainer_class.backward_window
 original_step, original_network = trainer_class.optimizer_step, trainer_class.create_network
 
@@ -93,7 +101,9 @@ def backward_window(self, *args, **kwargs):
         marks["step_start"].append(time.perf_counter())
         marks["cpu_start"].append(time.process_time())
         marks["sys_start"].append(os.times().system)
-    return original_window(self, *args, **kwargs)
+    loss = original_window(self, *args, **kwargs)
+    marks["losses"].append(float(loss))
+    return loss
 
 def optimizer_step(self, *args, **kwargs):
     result = original_step(self, *args, **kwargs)
@@ -111,7 +121,8 @@ steps = [end - start for start, end in zip(marks["step_start"], marks["step_end"
 cpu_steps = [end - start for start, end in zip(marks["cpu_start"], marks["cpu_end"])]
 sys_steps = [end - start for start, end in zip(marks["sys_start"], marks["sys_end"])]
 print("BENCH_RESULT " + json.dumps({{
-    "load_s": marks["load_s"], "steps_s": steps, "cpu_steps_s": cpu_steps, "sys_steps_s": sys_steps, "vm_hwm": final["VmHWM"], "peaks": peaks,
+    "load_s": marks["load_s"], "steps_s": steps, "losses": marks["losses"], "cpu_steps_s": cpu_steps,
+    "sys_steps_s": sys_steps, "vm_hwm": final["VmHWM"], "peaks": peaks,
     "phase_peaks": phase_peaks,
 }}), flush=True)
 """
@@ -218,8 +229,15 @@ def main() -> None:
     parser.add_argument("--work_dir", default="/tmp/bench_full_sdxl", help="cache of model, tokenizers, dataset")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4; steady = median of 2..)")
     parser.add_argument("--resolution", type=int, default=256, help="training resolution in pixels (default 256)")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="the trainer's --mixed_precision (default no; bf16 with --fp8_base)")
+    parser.add_argument("--fp8_base", action="store_true",
+                        help="train with --fp8_base (float8 UNet weights) and compare with the stored runs without it")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more trainer flags (after everything)")
     args = parser.parse_args()
+    mixed_precision = args.mixed_precision or ("bf16" if args.fp8_base else "no")
+    if args.fp8_base and mixed_precision == "no":
+        parser.error("--fp8_base needs --mixed_precision fp16 or bf16")
     paths = prepare(Path(args.work_dir))
     out_dir = Path(args.work_dir) / "out"
     argv = [
@@ -227,7 +245,8 @@ def main() -> None:
         "--train_data_dir", str(paths["dataset"]), "--caption_extension", ".txt",
         "--resolution", str(args.resolution), "--train_batch_size", "1",
         "--output_dir", str(out_dir), "--output_name", "bench_lora",
-        "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4", "--network_train_unet_only",
+        "--mixed_precision", mixed_precision, *(["--fp8_base"] if args.fp8_base else []),
+        "--network_dim", "4", "--network_alpha", "4", "--network_train_unet_only",
         "--cache_latents", "--cache_text_encoder_outputs", "--gradient_checkpointing",
         "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--max_train_steps", str(args.steps),
         "--seed", "0", "--max_data_loader_n_workers", "0", *args.extra,
@@ -253,8 +272,30 @@ def main() -> None:
           + ", ".join(f"{name} {value / gib:.2f}" for name, value in measured["phase_peaks"].items()))
     unet_modules = check_lora(out_dir / "bench_lora.safetensors")
     steady = statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
-    print(f"load_s={measured['load_s']:.1f} first_step_s={steps[0]:.1f} step_s={steady:.2f} "
-          f"peak_rss_gib={measured['vm_hwm'] / gib:.2f} unet_modules={unet_modules}")
+    summary = {"load_s": measured["load_s"], "first_step_s": steps[0], "step_s": steady,
+               "peak_rss_gib": measured["vm_hwm"] / gib, "first_loss": measured["losses"][0]}
+    variant = mixed_precision + ("_fp8" if args.fp8_base else "")
+    (Path(args.work_dir) / f"result_{variant}.json").write_text(json.dumps({**summary, "args": sys.argv[1:]}))
+    if args.fp8_base:
+        compare_with_runs_without_fp8(Path(args.work_dir), summary)
+    print(f"load_s={summary['load_s']:.1f} first_step_s={steps[0]:.1f} step_s={steady:.2f} "
+          f"peak_rss_gib={summary['peak_rss_gib']:.2f} first_loss={summary['first_loss']:.6f} "
+          f"unet_modules={unet_modules}")
+
+
+def compare_with_runs_without_fp8(work_dir: Path, fp8: dict) -> None:
+    """One line per stored run without --fp8_base: peak RSS saved and first-step loss difference."""
+    stored = [(precision, work_dir / f"result_{precision}.json") for precision in ("no", "fp16", "bf16")]
+    stored = [(precision, path) for precision, path in stored if path.is_file()]
+    if not stored:
+        print("no stored run without --fp8_base to compare with: run this script without it first")
+    for precision, path in stored:
+        plain = json.loads(path.read_text())
+        relative = (fp8["first_loss"] - plain["first_loss"]) / plain["first_loss"]
+        print(f"vs --mixed_precision {precision} without fp8: peak_rss_gib {plain['peak_rss_gib']:.2f} -> "
+              f"{fp8['peak_rss_gib']:.2f} ({fp8['peak_rss_gib'] - plain['peak_rss_gib']:+.2f}); first_loss "
+              f"{plain['first_loss']:.6f} -> {fp8['first_loss']:.6f} (rel diff {relative:+.3%}); step_s "
+              f"{plain['step_s']:.2f} -> {fp8['step_s']:.2f}")
 
 
 if __name__ == "__main__":

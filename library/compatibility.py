@@ -23,8 +23,6 @@ from library.errors import UserError
 # dest -> why it cannot be honoured here (the whole error after the flag). Refused only when set.
 UNSUPPORTED: dict[str, str] = {
     "deepspeed": "DeepSpeed is not supported here; multi-GPU runs use accelerate launch or torchrun",
-    "fp8_base": "fp8 base weights are not supported; use --mixed_precision fp16 or bf16",
-    "fp8_base_unet": "fp8 base weights are not supported; use --mixed_precision fp16 or bf16",
     "cpu_offload_checkpointing": "offloading checkpointed activations to the CPU is not supported here; "
                                  "--gradient_checkpointing alone is",
     "torch_compile": "torch.compile is not supported here",
@@ -69,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def inert(flag: str, needs: str, **kwargs: Any) -> None:
         add(flag, **kwargs, help=f"accepted, no effect (used only with {needs}, which is not supported)")
 
-    for flag in ("--deepspeed", "--fp8_base", "--fp8_base_unet", "--cpu_offload_checkpointing",
-                 "--torch_compile", "--save_state_to_huggingface", "--resume_from_huggingface"):
+    for flag in ("--deepspeed", "--cpu_offload_checkpointing", "--torch_compile", "--save_state_to_huggingface",
+                 "--resume_from_huggingface"):
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Callable, NoReturn
 
@@ -20,11 +21,20 @@ def first_line(error: BaseException) -> str:
 
 
 def exit_on_user_error(main: Callable[[], object]) -> None:
-    """Run ``main``; turn a ``UserError`` into one line on stderr and exit code 2."""
+    """Run ``main``; turn a ``UserError`` into one line on stderr and exit code 2, and Ctrl-C
+    (a ``KeyboardInterrupt``, e.g. while a model is being read) into one line and exit code 130.
+
+    The trainer handles Ctrl-C itself once training runs (``library.interrupts``); before that,
+    and in the tools, nothing has been written yet or every write is atomic, so stopping at
+    once loses nothing and a traceback would only hide that.
+    """
     try:
         main()
     except UserError as error:
         _fail(str(error))
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 def _fail(message: str) -> NoReturn:

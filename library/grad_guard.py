@@ -223,6 +223,13 @@ class GuardConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GuardConfig:
         """Read the guard options from parsed args (after :func:`apply_preset`); warn about inert ones."""
+        config = cls._read(args)
+        if config.auto_cap_release and config.skip_grad_norm_max is None:
+            logger.warning("--auto_cap_release has no effect without --skip_grad_norm_max")
+        return config
+
+    @classmethod
+    def _read(cls, args: argparse.Namespace) -> GuardConfig:
         values: dict[str, Any] = {}
         for field in fields(cls):
             value = getattr(args, field.name, field.default)
@@ -233,15 +240,19 @@ class GuardConfig:
             elif field.type == "bool":
                 value = bool(value)
             values[field.name] = value
-        config = cls(**values)
-        if config.auto_cap_release and config.skip_grad_norm_max is None:
-            logger.warning("--auto_cap_release has no effect without --skip_grad_norm_max")
-        return config
+        return cls(**values)
 
     @property
     def nan_inf_options(self) -> NanInfOptions:
         return NanInfOptions(self.nan_to_window, self.inf_to_window,
                              self.skip_nan_immediate, self.skip_inf_immediate)
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    """Raise the ``UserError`` a bad guard option gives (``--nan_inf_until_step 0``,
+    ``--skip_grad_norm_max -1``, ...) before anything loads. Silent: the warnings about inert
+    options come from :meth:`GuardConfig.from_args`, once the preset is applied."""
+    GuardConfig._read(args)
 
 
 def _as_number(name: str, value: Any, kind: type) -> float | int:

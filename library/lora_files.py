@@ -10,6 +10,7 @@ import torch
 from library.errors import UserError
 from library.lora_metadata import addnet_hashes
 from networks.lora import LoRANetwork, save_lora_file
+from networks.network_base import find_non_finite
 
 SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -28,9 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save_n_epoch_ratio", type=int, default=None,
                         help="save about N times over the run: sets --save_every_n_epochs to epochs // N (at least 1)")
     parser.add_argument("--save_last_n_epochs", type=int, default=None,
-                        help="keep only the last N per-epoch LoRA files (older ones are removed)")
+                        help="keep only the last N per-epoch LoRA files: after saving epoch E, the one of epoch "
+                             "E - N * --save_every_n_epochs is removed (kohya's rule; default: keep all)")
     parser.add_argument("--save_last_n_steps", type=int, default=None,
-                        help="keep only per-step LoRA files of the last N steps (older ones are removed)")
+                        help="keep only per-step LoRA files of the last N steps (N counts steps, not saves): after "
+                             "saving step S, the one of step S - N - 1 rounded down to a multiple of "
+                             "--save_every_n_steps is removed (kohya's rule; default: keep all)")
     parser.add_argument("--no_metadata", action="store_true", help="write no ss_* training metadata into LoRA files")
 
 
@@ -79,6 +83,48 @@ def final_file_name(output_name: str) -> str:
     return f"{output_name}.safetensors"
 
 
+# -- rotation: kohya's formulas (train_util.get_remove_step_no / get_remove_epoch_no), for files and states
+def step_to_remove(step: int, every: int, keep: Optional[int]) -> Optional[int]:
+    """The save point that falls out of "the last ``keep`` steps" once step ``step`` is saved
+    (saves every ``every`` steps), or None. kohya removes exactly this one, not every older one:
+    ``step - keep - 1`` rounded down to a multiple of ``every`` (every 2, keep 2: step 8 removes 4,
+    steps 6 and 8 stay)."""
+    if not keep:
+        return None
+    old_step = step - keep - 1
+    old_step -= old_step % every
+    return old_step if old_step > 0 else None
+
+
+def epoch_to_remove(epoch: int, every: int, keep: Optional[int]) -> Optional[int]:
+    """The epoch save point removed once epoch ``epoch`` is saved (saves every ``every`` epochs),
+    or None. Unlike steps, kohya counts saves here: ``epoch - every * keep``."""
+    if not keep:
+        return None
+    old_epoch = epoch - every * keep
+    return old_epoch if old_epoch > 0 else None
+
+
+def save_refusal(state: Mapping[str, torch.Tensor], save_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why the LoRA ``state`` (in its training dtype) must not be saved, or None when it may.
+
+    Non-finite weights mean the run diverged; finite weights beyond the range of ``save_dtype``
+    (fp16 ends at 65504) would reach the file as Inf. LoRA files and training states both obey
+    this, so a diverged run never replaces, rotates away or points ``--resume auto`` past a good one.
+    """
+    bad_module = find_non_finite(state)
+    if bad_module is not None:
+        return f"LoRA module {bad_module} holds NaN/Inf (the training diverged)"
+    if save_dtype is None:
+        return None
+    for key, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value.to(save_dtype)).all():
+            precision = next(name for name, dtype in SAVE_DTYPES.items() if dtype == save_dtype)
+            return (f"LoRA module {key.partition('.')[0]} holds values beyond the range of --save_precision "
+                    f"{precision} (they would be saved as Inf; the training diverged)")
+    return None
+
+
 class LoraWriter:
     """Writes the network at save points and removes files that fall out of the kept range."""
 
@@ -88,42 +134,39 @@ class LoraWriter:
         self.save_dtype = SAVE_DTYPES[args.save_precision]
 
     def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
-        """Save ``network`` as ``file_name`` in the output folder; None when refused (NaN/Inf)."""
+        """Save ``network`` as ``file_name`` in the output folder; None when refused (see ``save_refusal``),
+        in which case nothing is written."""
         path = os.path.join(self.args.output_dir, file_name)
         state = network.lora_state_dict(self.save_dtype)
+        if find_non_finite(state) is not None:  # say why from the weights as trained: diverged, or overflowed
+            refusal = save_refusal(network.lora_state_dict(), self.save_dtype)
+            print(f"\nnot saving {path}: {refusal}; no file written or removed", flush=True)
+            return None
         metadata = dict(self.metadata)
         metadata.update({"ss_steps": str(step), "ss_epoch": str(epoch)})
         if not self.args.no_metadata:
             metadata.update(addnet_hashes(state, metadata))
         else:
             metadata = {key: value for key, value in metadata.items() if key.startswith("modelspec.")}
-        try:
-            save_lora_file(state, path, metadata)
-        except FloatingPointError as error:
-            print(f"\n{error}; the previous files are kept", flush=True)
-            return None
+        save_lora_file(state, path, metadata)
         print(f"\nsaved {path}", flush=True)
         return path
 
     def on_step(self, network: LoRANetwork, step: int, epoch: int) -> None:
         every = self.args.save_every_n_steps
         if every and step % every == 0:
-            self.write(network, step_file_name(self.args.output_name, step), step, epoch)
-            keep = self.args.save_last_n_steps
-            if keep:
-                # kohya keeps files of the last N steps: remove the save point N steps back.
-                old_step = step - (keep // every + 1) * every
-                if old_step > 0:
+            # the old file goes only once the new one is on disk (never for a refused save)
+            if self.write(network, step_file_name(self.args.output_name, step), step, epoch):
+                old_step = step_to_remove(step, every, self.args.save_last_n_steps)
+                if old_step is not None:
                     self._remove(step_file_name(self.args.output_name, old_step))
 
     def on_epoch_end(self, network: LoRANetwork, step: int, epoch: int, is_last_epoch: bool) -> None:
         every = self.args.save_every_n_epochs
         if every and epoch % every == 0 and not is_last_epoch:
-            self.write(network, epoch_file_name(self.args.output_name, epoch), step, epoch)
-            keep = self.args.save_last_n_epochs
-            if keep:
-                old_epoch = epoch - every * keep
-                if old_epoch > 0:
+            if self.write(network, epoch_file_name(self.args.output_name, epoch), step, epoch):
+                old_epoch = epoch_to_remove(epoch, every, self.args.save_last_n_epochs)
+                if old_epoch is not None:
                     self._remove(epoch_file_name(self.args.output_name, old_epoch))
 
     def _remove(self, file_name: str) -> None:

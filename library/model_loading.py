@@ -1,6 +1,7 @@
 """Load SDXL / SD1.x / SD2.x from a diffusers folder or a single file.
 
-Everything is loaded in fp32 on the CPU; callers move and cast. A single file
+Everything is loaded in fp32 on the CPU (``stored_dtype`` can keep chosen weights in
+another dtype from the start, see ``load_models``); callers move and cast. A single file
 (``.safetensors`` or ``.ckpt``) is read tensor by tensor into models built on
 the meta device, so peak memory is one model plus one tensor, never a second
 copy of the state dict. The architecture comes from ``--model_config_dir`` or
@@ -14,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -34,6 +35,10 @@ SHIPPED_CONFIG_NAMES: dict[str, str] = {"sdxl": "sdxl_base", "sd1": "sd15", "sd2
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 _VAE_TOP_LEVEL = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
+
+# (component, owning module, attribute) -> the dtype that parameter is stored in; None: float32.
+# Components are ``checkpoint_keys.checkpoint_key_maps``' names (unet, vae, text_encoder, text_encoder_2).
+StoredDtype = Callable[[str, torch.nn.Module, str], Optional[torch.dtype]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,11 +109,27 @@ def shipped_config_dir(kind: ModelKind) -> Path:
     return MODEL_CONFIGS_DIR / SHIPPED_CONFIG_NAMES[kind]
 
 
+def check_model_paths(args: argparse.Namespace, *, sdxl: bool) -> None:
+    """Refuse, before anything is loaded, what the model options' paths alone show to be wrong:
+    a missing model or ``--vae``, a folder that is not a diffusers model, a checkpoint of another
+    kind (from a ``.safetensors`` header or ``model_index.json``), a bad ``--model_config_dir``.
+    Reads headers and JSON only; ``.ckpt`` files are checked when loaded."""
+    kind = model_kind(sdxl=sdxl, v2=args.v2)
+    path = _existing_model_path(args.pretrained_model_name_or_path)
+    if path.is_dir():
+        _check_diffusers_folder(path, kind)
+    else:
+        if args.model_config_dir is not None:
+            _check_config_dir(Path(args.model_config_dir), kind)
+        if path.suffix == ".safetensors":
+            with CheckpointReader(path, "--pretrained_model_name_or_path") as reader:
+                _check_checkpoint_kind(reader.keys(), kind, path, "--pretrained_model_name_or_path")
+    if args.vae is not None:
+        _check_vae_path(Path(args.vae), "--vae")
+
+
 def load_models_from_args(args: argparse.Namespace, *, sdxl: bool) -> StableDiffusionModels:
     """``load_models`` driven by the options of ``add_arguments``."""
-    if not args.pretrained_model_name_or_path:
-        raise UserError("--pretrained_model_name_or_path is required: a diffusers model folder "
-                        "or a .safetensors/.ckpt file")
     return load_models(args.pretrained_model_name_or_path, sdxl=sdxl, v2=args.v2,
                        model_config_dir=args.model_config_dir, tokenizer_cache_dir=args.tokenizer_cache_dir,
                        vae_path=args.vae, device=load_device(args))
@@ -118,11 +139,16 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
                 model_config_dir: str | os.PathLike | None = None,
                 tokenizer_cache_dir: str | os.PathLike | None = None,
                 vae_path: str | os.PathLike | None = None,
-                device: torch.device | str | None = None) -> StableDiffusionModels:
+                device: torch.device | str | None = None,
+                stored_dtype: StoredDtype | None = None) -> StableDiffusionModels:
     """Load tokenizers, text encoders, VAE, UNet and scheduler config, fp32 on CPU, in eval mode.
 
     ``device`` (``--lowram``, see ``load_device``): put the weights there instead; a single
     file's tensors go there one at a time, a diffusers folder's components one at a time.
+    ``stored_dtype`` (``library.fp8_base.stored_dtype_rule``): parameters it names a dtype for
+    are kept in that dtype instead of fp32: a single file's tensors are read straight into it
+    (their fp32 copy never exists), a diffusers folder's components are converted right after
+    each one is loaded.
 
     ``path`` is a diffusers folder (components via ``from_pretrained``, offline;
     ``model_config_dir`` is not used) or a single file (architecture and
@@ -133,20 +159,18 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
     unexpected or misshapen tensors, or unavailable tokenizers.
     """
     kind = model_kind(sdxl=sdxl, v2=v2)
-    flag = "--pretrained_model_name_or_path"
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{flag}: {path} does not exist; give a diffusers model folder or a "
-                        ".safetensors/.ckpt file (hub ids are not downloaded)")
+    path = _existing_model_path(path)
     keep_vae = vae_path is None
     if path.is_dir():
-        unet, vae, text_encoders, vae_config, scheduler_config = _load_diffusers_folder(path, kind, keep_vae, device)
+        unet, vae, text_encoders, vae_config, scheduler_config = _load_diffusers_folder(path, kind, keep_vae, device,
+                                                                                        stored_dtype)
         tokenizer_dir: Path | None = path
     else:
         if model_config_dir is not None:
             _check_config_dir(Path(model_config_dir), kind)
         config_dir = Path(model_config_dir) if model_config_dir is not None else shipped_config_dir(kind)
-        unet, vae, text_encoders, vae_config = _load_single_file(path, kind, config_dir, keep_vae, device)
+        unet, vae, text_encoders, vae_config = _load_single_file(path, kind, config_dir, keep_vae, device,
+                                                                 stored_dtype)
         scheduler_config = _read_json(config_dir / "scheduler" / "scheduler_config.json", "--model_config_dir")
         tokenizer_dir = Path(model_config_dir) if model_config_dir is not None else None
     if vae is None:
@@ -158,14 +182,55 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
     return StableDiffusionModels(kind, tokenizers, text_encoders, vae, unet, scheduler_config, name)
 
 
+def _existing_model_path(path: str | os.PathLike | None) -> Path:
+    flag = "--pretrained_model_name_or_path"
+    if not path:
+        raise UserError(f"{flag} is required: a diffusers model folder or a .safetensors/.ckpt file")
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{flag}: {path} does not exist; give a diffusers model folder or a "
+                        ".safetensors/.ckpt file (hub ids are not downloaded)")
+    return path
+
+
 # ---------------------------------------------------------------------------
 # Diffusers folders
 # ---------------------------------------------------------------------------
 
-def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device: torch.device | str | None = None):
+def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device: torch.device | str | None = None,
+                           stored_dtype: StoredDtype | None = None):
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
+    flag = "--pretrained_model_name_or_path"
+    _check_diffusers_folder(folder, kind)
+
+    def load(cls, subfolder: str, **kwargs):
+        sub = folder / subfolder
+        if not sub.is_dir():
+            raise UserError(f"{flag}: {folder} has no {subfolder}/ folder")
+        variant = "fp16" if _only_fp16_weights(sub) else None
+        try:
+            model = cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+            raise UserError(f"{flag}: cannot load {sub}: {first_line(error)}") from error
+        _convert_stored(model, subfolder, stored_dtype)  # before the next component loads
+        return model.to(device) if device is not None else model
+
+    unet = load(UNet2DConditionModel, "unet", torch_dtype=torch.float32).eval()
+    vae = load(AutoencoderKL, "vae", torch_dtype=torch.float32).eval() if keep_vae else None
+    vae_config = dict(vae.config) if vae is not None else _read_json(folder / "vae" / "config.json", flag)
+    text_encoders = [load(CLIPTextModel, "text_encoder", dtype=torch.float32).eval()]
+    if kind == "sdxl":
+        text_encoders.append(load(CLIPTextModelWithProjection, "text_encoder_2", dtype=torch.float32).eval())
+    scheduler_file = folder / "scheduler" / "scheduler_config.json"
+    if not scheduler_file.is_file():
+        scheduler_file = shipped_config_dir(kind) / "scheduler" / "scheduler_config.json"
+    return unet, vae, text_encoders, vae_config, _read_json(scheduler_file, flag)
+
+
+def _check_diffusers_folder(folder: Path, kind: ModelKind) -> None:
+    """A diffusers model folder of ``kind``, judged from its JSON files."""
     flag = "--pretrained_model_name_or_path"
     index = _read_json(folder / "model_index.json", flag,
                        missing="is a folder but not a diffusers model (no model_index.json)")
@@ -180,28 +245,6 @@ def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device
         if bool(unet_config.get("use_linear_projection")) != (kind == "sd2"):
             hint = "drop --v2" if kind == "sd2" else "pass --v2"
             raise UserError(f"{flag}: {folder} is an SD{'1' if kind == 'sd2' else '2'}.x model; {hint}")
-
-    def load(cls, subfolder: str, **kwargs):
-        sub = folder / subfolder
-        if not sub.is_dir():
-            raise UserError(f"{flag}: {folder} has no {subfolder}/ folder")
-        variant = "fp16" if _only_fp16_weights(sub) else None
-        try:
-            model = cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
-            return model.to(device) if device is not None else model
-        except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-            raise UserError(f"{flag}: cannot load {sub}: {first_line(error)}") from error
-
-    unet = load(UNet2DConditionModel, "unet", torch_dtype=torch.float32).eval()
-    vae = load(AutoencoderKL, "vae", torch_dtype=torch.float32).eval() if keep_vae else None
-    vae_config = dict(vae.config) if vae is not None else _read_json(folder / "vae" / "config.json", flag)
-    text_encoders = [load(CLIPTextModel, "text_encoder", dtype=torch.float32).eval()]
-    if kind == "sdxl":
-        text_encoders.append(load(CLIPTextModelWithProjection, "text_encoder_2", dtype=torch.float32).eval())
-    scheduler_file = folder / "scheduler" / "scheduler_config.json"
-    if not scheduler_file.is_file():
-        scheduler_file = shipped_config_dir(kind) / "scheduler" / "scheduler_config.json"
-    return unet, vae, text_encoders, vae_config, _read_json(scheduler_file, flag)
 
 
 def _only_fp16_weights(folder: Path) -> bool:
@@ -281,7 +324,7 @@ def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = Tr
 
 
 def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: bool,
-                      device: torch.device | str | None = None):
+                      device: torch.device | str | None = None, stored_dtype: StoredDtype | None = None):
     flag = "--pretrained_model_name_or_path"
     if not path.is_file():
         raise UserError(f"{flag}: {path} is not a file or folder")
@@ -293,57 +336,76 @@ def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: b
         except KeyError as error:
             raise UserError(f"--model_config_dir: the architecture in {config_dir} is not supported: "
                             f"{error}") from error
-        _stream_into(reader, list(maps.values()), config_hint=f"configs in {config_dir}", device=device)
+        _stream_into(reader, maps, config_hint=f"configs in {config_dir}", device=device, stored_dtype=stored_dtype)
     return unet, vae, text_encoders, vae_config
 
 
-def _stream_into(reader: CheckpointReader, components: list[tuple[torch.nn.Module, KeyMap]],
-                 config_hint: str, device: torch.device | str | None = None) -> None:
-    """Fill every tensor of each (model, key map) from ``reader``, one tensor at a time, fp32 on ``device`` (CPU).
+def _stream_into(reader: CheckpointReader, components: Mapping[str, tuple[torch.nn.Module, KeyMap]],
+                 config_hint: str, device: torch.device | str | None = None,
+                 stored_dtype: StoredDtype | None = None) -> None:
+    """Fill every tensor of each component's (model, key map) from ``reader``, one tensor at a time,
+    fp32 (or ``stored_dtype``'s choice, see ``load_models``) on ``device`` (CPU).
 
     All names and shapes are checked before any data is read, so a wrong file
     fails fast. Keys outside every component's prefix are skipped (EMA copies,
     noise-schedule buffers, other components).
     """
     flag, path = reader.flag, reader.path
-    components = sorted(components, key=lambda item: len(item[1].prefix), reverse=True)
-    plan: list[tuple[str, torch.nn.Module, TensorRule]] = []
+    ordered = sorted(components.items(), key=lambda item: len(item[1][1].prefix), reverse=True)
+    plan: list[tuple[str, str, torch.nn.Module, TensorRule]] = []
     unexpected: list[str] = []
     present: set[str] = set()
     for key in reader.keys():
-        for model, key_map in components:
+        for component, (model, key_map) in ordered:
             if key.startswith(key_map.prefix):
                 rule = key_map.by_original.get(key)
                 if rule is not None:
-                    plan.append((key, model, rule))
+                    plan.append((key, component, model, rule))
                     present.add(key)
                 elif not key_map.ignore(key):
                     unexpected.append(key)
                 break
-    missing = [rule.original for _, key_map in components for rule in key_map.rules if rule.original not in present]
+    missing = [rule.original for _, key_map in components.values() for rule in key_map.rules
+               if rule.original not in present]
     if missing:
         raise UserError(f"{flag}: {path} lacks {len(missing)} tensor(s) the model needs, first: {missing[0]} "
                         f"(architecture from {config_hint}; --model_config_dir sets it)")
     if unexpected:
         raise UserError(f"{flag}: {path} has {len(unexpected)} tensor(s) the architecture has no place for, "
                         f"first: {unexpected[0]} (architecture from {config_hint}; --model_config_dir sets it)")
-    meta_states = {id(model): model.state_dict() for model, _ in components}
-    for key, model, rule in plan:
+    meta_states = {id(model): model.state_dict() for model, _ in components.values()}
+    for key, _, model, rule in plan:
         expected = tuple(rule.to_original([meta_states[id(model)][n] for n in rule.diffusers]).shape)
         found = reader.shape(key)
         if found != expected and not (rule.transform == "conv1x1" and found == expected[:2]):
             raise UserError(f"{flag}: {path}: {key} has shape {list(found)} but the architecture expects "
                             f"{list(expected)} (architecture from {config_hint}; --model_config_dir sets it)")
     del meta_states
-    for key, model, rule in plan:
+    for key, component, model, rule in plan:
         for name, value in zip(rule.diffusers, rule.to_diffusers(reader.get(key, transient=True))):
-            # A fresh fp32 tensor on the target device, copied (and cast) from the transient read.
-            _assign(model, name, torch.empty(value.shape, dtype=torch.float32, device=device or "cpu").copy_(value))
-    for model, _ in components:
+            dtype = torch.float32
+            if stored_dtype is not None:
+                module_name, _, attribute = name.rpartition(".")
+                dtype = stored_dtype(component, model.get_submodule(module_name), attribute) or dtype
+            # A fresh tensor on the target device, copied (and cast) from the transient read.
+            _assign(model, name, torch.empty(value.shape, dtype=dtype, device=device or "cpu").copy_(value))
+    for model, _ in components.values():
         leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if leftovers:  # a rule table gap, not a user mistake
             raise RuntimeError(f"{type(model).__name__}.{leftovers[0]} was not loaded from {path}")
         model.eval()
+
+
+def _convert_stored(model: torch.nn.Module, component: str, stored_dtype: StoredDtype | None) -> None:
+    """Cast, in place, the parameters of a loaded ``component`` that ``stored_dtype`` names a dtype for."""
+    if stored_dtype is None:
+        return
+    for module in model.modules():
+        for attribute, parameter in list(module.named_parameters(recurse=False)):
+            dtype = stored_dtype(component, module, attribute)
+            if dtype is not None and parameter.dtype != dtype:
+                setattr(module, attribute, torch.nn.Parameter(parameter.detach().to(dtype),
+                                                              requires_grad=parameter.requires_grad))
 
 
 def _assign(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -376,12 +438,9 @@ def load_vae(path: str | os.PathLike, *, vae_config: Mapping[str, Any], flag: st
     from diffusers import AutoencoderKL
 
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"{flag}: {path} does not exist; give a diffusers VAE folder or a .safetensors/.ckpt file")
+    _check_vae_path(path, flag)
     if path.is_dir():
         subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
-        if subfolder is None and not (path / "config.json").is_file():
-            raise UserError(f"{flag}: {path} is a folder without config.json or vae/config.json")
         try:
             return AutoencoderKL.from_pretrained(path, subfolder=subfolder, local_files_only=True,
                                                  torch_dtype=torch.float32).eval()
@@ -401,13 +460,20 @@ def load_vae(path: str | os.PathLike, *, vae_config: Mapping[str, Any], flag: st
             key_map = KeyMap("", rules, lambda key: not key.startswith(_VAE_TOP_LEVEL))
         else:
             raise UserError(f"{flag}: {path} holds no VAE weights (no encoder/decoder tensors)")
-        _stream_into(reader, [(vae, key_map)], config_hint="the base model's VAE config")
+        _stream_into(reader, {"vae": (vae, key_map)}, config_hint="the base model's VAE config")
     return vae
 
 
 # ---------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------
+
+def _check_vae_path(path: Path, flag: str) -> None:
+    if not path.exists():
+        raise UserError(f"{flag}: {path} does not exist; give a diffusers VAE folder or a .safetensors/.ckpt file")
+    if path.is_dir() and not (path / "vae" / "config.json").is_file() and not (path / "config.json").is_file():
+        raise UserError(f"{flag}: {path} is a folder without config.json or vae/config.json")
+
 
 def _read_json(path: Path, flag: str, missing: str | None = None) -> dict[str, Any]:
     try:

@@ -1,17 +1,26 @@
 """Optimizer and learning-rate scheduler construction, with kohya's flag names and semantics.
 
 Entry scripts call ``add_arguments`` when building the parser, ``validate_args`` right after
-parsing (so a typo or a missing package fails before any model is loaded), then
-``build_optimizer`` and ``build_lr_scheduler`` once the trainable parameters are known.
+parsing (so a typo, a missing package, an argument the optimizer rejects or a learning rate
+whose update overflows fails before any model is loaded), then ``build_optimizer`` and
+``build_lr_scheduler`` once the trainable parameters are known.
 
-Optional packages are imported only when their optimizer is chosen: bitsandbytes (the 8-bit
-and paged optimizers), lion-pytorch (Lion), dadaptation (DAdapt*), prodigyopt (Prodigy).
+Optimizer packages (requirements.txt installs them) are imported only when their optimizer is
+chosen: bitsandbytes (8-bit and paged optimizers), lion-pytorch (Lion), dadaptation (DAdapt*),
+prodigyopt (Prodigy), schedulefree (*ScheduleFree), and by dotted path e.g.
+prodigyplus.ProdigyPlusScheduleFree or pytorch_optimizer.CAME (the kohya_ss GUI's list).
+
+Schedule-free optimizers keep two sets of weights: the ones gradients are taken at (train mode)
+and the averaged ones to use (eval mode). As in kohya, they keep their own schedule (the LR
+scheduler is constant) and the trainer switches them (``enter_eval_mode``/``enter_train_mode``)
+around sampling, validation and saving, so samples and files see the averaged weights.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import importlib
+import inspect
 import logging
 import math
 import re
@@ -20,9 +29,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
+# bitsandbytes (installed for the 8-bit optimizers; peft imports it too, in every run) warns at
+# import, on CPUs with AVX512-BF16, that the optional `kernels` package for a 4-bit matmul is
+# missing. Nothing here uses that matmul, and the line would send users installing things.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 DEFAULT_OPTIMIZER = "AdamW"
 DEFAULT_LEARNING_RATE = 2e-6  # kohya's default for --learning_rate (train_network.py keeps it)
@@ -33,35 +46,46 @@ class _KnownOptimizer:
     name: str  # kohya's spelling, shown in messages; matched case-insensitively
     module: str
     class_name: str
-    package: str  # what to pip install
     nesterov: bool = False  # SGD with Nesterov momentum (momentum defaults to 0.9)
 
 
 _KNOWN_OPTIMIZERS = {
     known.name.lower(): known
     for known in (
-        _KnownOptimizer("AdamW", "torch.optim", "AdamW", "torch"),
-        _KnownOptimizer("AdamW8bit", "bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
-        _KnownOptimizer("PagedAdamW", "bitsandbytes.optim", "PagedAdamW", "bitsandbytes"),
-        _KnownOptimizer("PagedAdamW8bit", "bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
-        _KnownOptimizer("PagedAdamW32bit", "bitsandbytes.optim", "PagedAdamW32bit", "bitsandbytes"),
-        _KnownOptimizer("Lion", "lion_pytorch", "Lion", "lion-pytorch"),
-        _KnownOptimizer("Lion8bit", "bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
-        _KnownOptimizer("PagedLion8bit", "bitsandbytes.optim", "PagedLion8bit", "bitsandbytes"),
-        _KnownOptimizer("SGDNesterov", "torch.optim", "SGD", "torch", nesterov=True),
-        _KnownOptimizer("SGDNesterov8bit", "bitsandbytes.optim", "SGD8bit", "bitsandbytes", nesterov=True),
-        _KnownOptimizer("DAdaptation", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
-        _KnownOptimizer("DAdaptAdamPreprint", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
-        _KnownOptimizer("DAdaptAdaGrad", "dadaptation", "DAdaptAdaGrad", "dadaptation"),
-        _KnownOptimizer("DAdaptAdam", "dadaptation", "DAdaptAdam", "dadaptation"),
-        _KnownOptimizer("DAdaptAdan", "dadaptation", "DAdaptAdan", "dadaptation"),
-        _KnownOptimizer("DAdaptAdanIP", "dadaptation.experimental", "DAdaptAdanIP", "dadaptation"),
-        _KnownOptimizer("DAdaptLion", "dadaptation", "DAdaptLion", "dadaptation"),
-        _KnownOptimizer("DAdaptSGD", "dadaptation", "DAdaptSGD", "dadaptation"),
-        _KnownOptimizer("Prodigy", "prodigyopt", "Prodigy", "prodigyopt"),
-        _KnownOptimizer("Adafactor", "transformers.optimization", "Adafactor", "transformers"),
+        _KnownOptimizer("AdamW", "torch.optim", "AdamW"),
+        _KnownOptimizer("AdamW8bit", "bitsandbytes.optim", "AdamW8bit"),
+        _KnownOptimizer("PagedAdamW", "bitsandbytes.optim", "PagedAdamW"),
+        _KnownOptimizer("PagedAdamW8bit", "bitsandbytes.optim", "PagedAdamW8bit"),
+        _KnownOptimizer("PagedAdamW32bit", "bitsandbytes.optim", "PagedAdamW32bit"),
+        _KnownOptimizer("Lion", "lion_pytorch", "Lion"),
+        _KnownOptimizer("Lion8bit", "bitsandbytes.optim", "Lion8bit"),
+        _KnownOptimizer("PagedLion8bit", "bitsandbytes.optim", "PagedLion8bit"),
+        _KnownOptimizer("SGDNesterov", "torch.optim", "SGD", nesterov=True),
+        _KnownOptimizer("SGDNesterov8bit", "bitsandbytes.optim", "SGD8bit", nesterov=True),
+        _KnownOptimizer("DAdaptation", "dadaptation.experimental", "DAdaptAdamPreprint"),
+        _KnownOptimizer("DAdaptAdamPreprint", "dadaptation.experimental", "DAdaptAdamPreprint"),
+        _KnownOptimizer("DAdaptAdaGrad", "dadaptation", "DAdaptAdaGrad"),
+        _KnownOptimizer("DAdaptAdam", "dadaptation", "DAdaptAdam"),
+        _KnownOptimizer("DAdaptAdan", "dadaptation", "DAdaptAdan"),
+        _KnownOptimizer("DAdaptAdanIP", "dadaptation.experimental", "DAdaptAdanIP"),
+        _KnownOptimizer("DAdaptLion", "dadaptation", "DAdaptLion"),
+        _KnownOptimizer("DAdaptSGD", "dadaptation", "DAdaptSGD"),
+        _KnownOptimizer("Prodigy", "prodigyopt", "Prodigy"),
+        _KnownOptimizer("Adafactor", "transformers.optimization", "Adafactor"),
+        _KnownOptimizer("AdamWScheduleFree", "schedulefree", "AdamWScheduleFree"),
+        _KnownOptimizer("RAdamScheduleFree", "schedulefree", "RAdamScheduleFree"),
+        _KnownOptimizer("SGDScheduleFree", "schedulefree", "SGDScheduleFree"),
     )
 }
+
+# pip names of optimizer packages whose import name differs (for the install hint).
+_PIP_NAMES = {
+    "lion_pytorch": "lion-pytorch",
+    "prodigyplus": "prodigy-plus-schedule-free",
+    "pytorch_optimizer": "pytorch-optimizer",
+}
+# Packages requirements.txt installs for optimizers: a missing one gets a "pip install" hint.
+_OPTIMIZER_PACKAGES = {known.module.partition(".")[0] for known in _KNOWN_OPTIMIZERS.values()} | set(_PIP_NAMES)
 
 # Schedules diffusers implements (diffusers.optimization.get_scheduler) ...
 _DIFFUSERS_SCHEDULERS = (
@@ -74,6 +98,9 @@ LR_SCHEDULERS = _DIFFUSERS_SCHEDULERS + _TRANSFORMERS_SCHEDULERS + ("adafactor",
 _NO_WARMUP = ("constant", "piecewise_constant", "adafactor")
 # --lr_scheduler_args keys the diffusers schedules accept; the others come from flags.
 _DIFFUSERS_SCHEDULER_KWARGS = ("step_rules", "last_epoch")
+# Optimizer packages whose step runs on CPU tensors like on the GPU: ``validate_args`` takes a
+# test step with them. Others (bitsandbytes, arbitrary dotted paths) may need the GPU.
+_TEST_STEP_MODULES = ("torch.optim", "transformers.", "lion_pytorch", "dadaptation", "prodigyopt")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,15 +177,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Check the optimizer and scheduler options without building anything; raise ``UserError``.
+    """Check the optimizer and scheduler options before any model loads; raise ``UserError``.
 
-    Imports the chosen optimizer's package (so a missing one is reported before models load)
-    and the custom scheduler class. Does not mutate ``args``.
+    Imports the chosen optimizer's package (so a missing one is reported now) and the custom
+    scheduler class. Builds the optimizer on stand-in weights (one per learning rate of
+    ``--learning_rate``/``--unet_lr``/``--text_encoder_lr``, in the dtype the LoRA will have)
+    and, for optimizers that run on CPU tensors, takes one step with a gradient of ones, so an
+    argument the optimizer rejects (``betas=0.9``) or a learning rate whose update overflows
+    fails now. When the run's length is known (``--max_train_steps`` without
+    ``--max_train_epochs``) the schedule is built on them too. Does not mutate ``args``.
     """
-    optimizer_class = resolve_optimizer_class(effective_optimizer_type(args))
+    optimizer = _test_optimizer(args)
+    optimizer_class = type(optimizer)
+    if is_schedule_free(optimizer_class):
+        _note_ignored_schedule(args, optimizer_class)
+        return
     optimizer_kwargs = _optimizer_kwargs(args)
-    _check_learning_rate(args.learning_rate)
     scheduler_kwargs = parse_key_value_args(args.lr_scheduler_args, "--lr_scheduler_args")
+    steps = getattr(args, "max_train_steps", None)
+    if steps and steps > 0 and getattr(args, "max_train_epochs", None) is None:
+        build_lr_scheduler(args, optimizer, steps)
     if args.lr_scheduler_type:
         _resolve_class(args.lr_scheduler_type, torch.optim.lr_scheduler, "--lr_scheduler_type")
         _refuse_warmup(args, f"--lr_scheduler_type {args.lr_scheduler_type}")
@@ -207,19 +245,38 @@ def resolve_optimizer_class(optimizer_type: str) -> type:
     known = _KNOWN_OPTIMIZERS.get(optimizer_type.lower())
     if known is None:
         return _resolve_class(optimizer_type, torch.optim, "--optimizer_type")
-    try:
-        module = importlib.import_module(known.module)
-    except ImportError:
-        raise UserError(
-            f"--optimizer_type {known.name} needs the {known.package} package: pip install {known.package}"
-        ) from None
+    module = _import_module(known.module, f"--optimizer_type {known.name}")
     optimizer_class = getattr(module, known.class_name, None)
     if optimizer_class is None:
+        package = _pip_name(known.module)
         raise UserError(
-            f"--optimizer_type {known.name}: the installed {known.package} has no {known.class_name}; "
-            f"pip install -U {known.package}"
+            f"--optimizer_type {known.name}: the installed {package} has no {known.class_name}; pip install -U {package}"
         )
     return optimizer_class
+
+
+def is_schedule_free(optimizer_class: type) -> bool:
+    """Whether the optimizer has train and eval modes (schedulefree's *ScheduleFree,
+    prodigyplus.ProdigyPlusScheduleFree): the trainer switches its modes and it keeps its own
+    schedule. kohya decides by the name ending in ScheduleFree; the modes are what matter."""
+    return callable(getattr(optimizer_class, "train", None)) and callable(getattr(optimizer_class, "eval", None))
+
+
+def enter_train_mode(optimizer: torch.optim.Optimizer) -> None:
+    """Put a schedule-free optimizer's parameters at its training point (needed before each
+    step, also after loading a state saved in eval mode); no-op for other optimizers and when
+    already there."""
+    if is_schedule_free(type(optimizer)):
+        optimizer.train()
+
+
+def enter_eval_mode(optimizer: torch.optim.Optimizer) -> None:
+    """Put a schedule-free optimizer's parameters at the averaged weights meant for use (what
+    samples, validation and saved files must see); no-op for other optimizers. Every process
+    must switch at the same points (kohya's optimizer_eval_fn/optimizer_train_fn): the switch
+    moves the weights, and the processes' weights must stay identical."""
+    if is_schedule_free(type(optimizer)):
+        optimizer.eval()
 
 
 def parse_key_value_args(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
@@ -256,10 +313,27 @@ def build_optimizer(
     passed and per-group ``lr`` values are dropped (``build_lr_scheduler`` then uses Adafactor's
     schedule). Raises ``UserError`` for unknown names, missing packages, bad arguments.
     """
+    param_groups = list(param_groups)
+    optimizer_class, kwargs, optimizer = _instantiate(args, param_groups)
+    if _is_adafactor(optimizer_class) and kwargs["relative_step"] and any(
+            isinstance(group, dict) and group.get("lr") is not None for group in param_groups):
+        logger.warning("Adafactor with relative_step=True computes its own learning rate; per-group lrs are ignored")
+    if optimizer_class.__module__.startswith(("dadaptation", "prodigyopt")):
+        _warn_about_adaptive_lr(args.learning_rate, param_groups)
+    name = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
+    arguments = ",".join(f"{key}={value}" for key, value in kwargs.items())
+    return name, arguments, optimizer
+
+
+def _instantiate(args: argparse.Namespace, param_groups: list[Any]
+                 ) -> tuple[type, dict[str, Any], torch.optim.Optimizer]:
+    """``(class, keyword arguments after kohya's adjustments, optimizer)`` for ``param_groups``
+    (not mutated); silent, unlike :func:`build_optimizer`."""
     optimizer_type = effective_optimizer_type(args)
     optimizer_class = resolve_optimizer_class(optimizer_type)
     known = _KNOWN_OPTIMIZERS.get(optimizer_type.lower())
     kwargs = _optimizer_kwargs(args)
+    _check_sequence_arguments(optimizer_class, kwargs)
     lr: float | None = _check_learning_rate(args.learning_rate)
     groups = [dict(group) if isinstance(group, dict) else group for group in param_groups]
     if not groups:
@@ -276,11 +350,9 @@ def build_optimizer(
             kwargs["relative_step"] = True
         if kwargs["relative_step"]:
             lr = None
-            dropped = [group.pop("lr", None) for group in groups if isinstance(group, dict)]
-            if any(group_lr is not None for group_lr in dropped):
-                logger.warning("Adafactor with relative_step=True computes its own learning rate; per-group lrs are ignored")
-    if optimizer_class.__module__.startswith(("dadaptation", "prodigyopt")):
-        _warn_about_adaptive_lr(args.learning_rate, groups)
+            for group in groups:
+                if isinstance(group, dict):
+                    group.pop("lr", None)
 
     try:
         optimizer = optimizer_class(groups, lr=lr, **fixed_kwargs, **kwargs)
@@ -292,9 +364,70 @@ def build_optimizer(
     _refuse_vanishing_eps(optimizer)
     if callable(getattr(optimizer, "train", None)):
         optimizer.train()  # schedule-free optimizers start in training mode (kohya does the same)
-    name = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
-    arguments = ",".join(f"{key}={value}" for key, value in kwargs.items())
-    return name, arguments, optimizer
+    return optimizer_class, kwargs, optimizer
+
+
+def _check_sequence_arguments(optimizer_class: type, kwargs: dict[str, Any]) -> None:
+    """Refuse a single value for an argument the optimizer takes as a tuple (``betas=0.9``), showing
+    the form it wants, instead of the optimizer's own ``'float' object is not subscriptable``."""
+    try:
+        parameters = inspect.signature(optimizer_class).parameters
+    except (TypeError, ValueError):  # a class without an inspectable signature: the optimizer decides
+        return
+    for key, value in kwargs.items():
+        default = parameters[key].default if key in parameters else None
+        if isinstance(default, tuple) and not (isinstance(value, (tuple, list)) and len(value) == len(default)):
+            shown = ",".join(str(item) for item in value) if isinstance(value, (tuple, list)) else value
+            raise UserError(f"--optimizer_args {key}={shown}: {optimizer_class.__name__} takes {len(default)} "
+                            f"comma-separated values for {key}, e.g. {key}={','.join(str(item) for item in default)}")
+
+
+def _learning_rates(args: argparse.Namespace) -> dict[str, float]:
+    """The distinct positive learning rates of the run's parameter groups, each by the flag giving it."""
+    rates = {"--learning_rate": args.learning_rate}
+    unet_lr = getattr(args, "unet_lr", None)
+    if unet_lr:
+        rates["--unet_lr"] = unet_lr
+    for index, lr in enumerate(getattr(args, "text_encoder_lr", None) or []):
+        if lr:
+            rates[f"--text_encoder_lr (value {index + 1})"] = lr
+    distinct: dict[float, str] = {}
+    for flag, lr in rates.items():
+        distinct.setdefault(lr, flag)
+    return {flag: lr for lr, flag in distinct.items()}
+
+
+def _test_optimizer(args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The run's optimizer on one stand-in weight per learning rate, after one test step with a
+    gradient of ones where that step can run on the CPU (see ``validate_args``)."""
+    dtype = (torch.float16 if getattr(args, "full_fp16", False)
+             else torch.bfloat16 if getattr(args, "full_bf16", False) else torch.float32)
+    _check_learning_rate(args.learning_rate)
+    rates = _learning_rates(args)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1, dtype=dtype))], "lr": lr} for lr in rates.values()]
+    optimizer_class, _, optimizer = _instantiate(args, groups)
+    if not optimizer_class.__module__.startswith(_TEST_STEP_MODULES):
+        return optimizer
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = torch.ones_like(parameter)
+    flag, largest = max(rates.items(), key=lambda item: item[1])
+    dtype_name = str(dtype).removeprefix("torch.")
+    try:
+        optimizer.step()
+    except (RuntimeError, TypeError, ValueError, ArithmeticError) as error:
+        if "overflow" in str(error):
+            raise UserError(f"{flag} {largest:g}: {optimizer_class.__name__}'s update overflows {dtype_name} "
+                            f"({first_line(error)}); use a learning rate like 1e-4") from None
+        given = " ".join(args.optimizer_args or ()) or "(none)"
+        raise UserError(f"--optimizer_args {given}: a test step of {optimizer_class.__name__} failed: "
+                        f"{' '.join(str(error).split())}") from None
+    optimizer.zero_grad(set_to_none=True)
+    for (flag, lr), group in zip(rates.items(), optimizer.param_groups):
+        if not all(torch.isfinite(parameter).all() for parameter in group["params"]):
+            raise UserError(f"{flag} {lr:g}: one {optimizer_class.__name__} step with it moves a weight to "
+                            f"Inf/NaN in {dtype_name}; use a learning rate like 1e-4")
+    return optimizer
 
 
 def _refuse_vanishing_eps(optimizer: torch.optim.Optimizer) -> None:
@@ -348,12 +481,17 @@ def build_lr_scheduler(
     Fractions are resolved against the multiplied total, as in kohya.
 
     With an Adafactor that computes its own learning rate (``relative_step=True``) the result
-    is Adafactor's proxy schedule whatever ``--lr_scheduler`` says (as kohya). Raises
+    is Adafactor's proxy schedule whatever ``--lr_scheduler`` says (as kohya). A schedule-free
+    optimizer gets a schedule that never changes the learning rate, whatever the scheduler
+    options say (kohya's dummy scheduler; ``validate_args`` says they are ignored). Raises
     ``UserError`` for unknown names, bad ``--lr_scheduler_args``, and warmup lengths that do
     not fit the schedule.
     """
     if num_training_steps < 1 or num_processes < 1:
         raise ValueError(f"num_training_steps ({num_training_steps}) and num_processes ({num_processes}) must be >= 1")
+    if is_schedule_free(type(optimizer)):
+        # factor 1 and no iterations: ConstantLR then only reports the optimizer's own lr
+        return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
     total_steps = num_training_steps * num_processes
     warmup_steps = _scaled_steps(args.lr_warmup_steps, total_steps, num_processes, "--lr_warmup_steps")
     decay_steps = _scaled_steps(getattr(args, "lr_decay_steps", 0), total_steps, num_processes, "--lr_decay_steps")
@@ -448,10 +586,7 @@ def _resolve_class(path: str, default_module: Any, flag: str) -> type:
     """A class by dotted path, or by bare name in ``default_module`` (kohya's rule)."""
     module_name, _, class_name = path.rpartition(".")
     if module_name:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise UserError(f"{flag} {path}: cannot import {module_name} ({error}); install it or fix the path") from None
+        module = _import_module(module_name, f"{flag} {path}")
     else:
         module = default_module
     found = getattr(module, class_name, None)
@@ -461,6 +596,25 @@ def _resolve_class(path: str, default_module: Any, flag: str) -> type:
             raise UserError(f"--optimizer_type {path!r} is unknown; valid: {valid}, or a dotted path like torch.optim.SGD")
         raise UserError(f"{flag} {path}: {getattr(module, '__name__', module_name)} has no class {class_name}")
     return found
+
+
+def _import_module(module_name: str, what: str) -> Any:
+    """Import ``module_name`` for ``what`` (e.g. "--optimizer_type Lion"); UserError in one line
+    when it cannot be, with the pip command for the optimizer packages of requirements.txt."""
+    top_level = module_name.partition(".")[0]
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        missing = getattr(error, "name", None) or ""
+        if missing.partition(".")[0] == top_level and top_level in _OPTIMIZER_PACKAGES:  # not a dependency of it
+            package = _pip_name(module_name)
+            raise UserError(f"{what} needs the {package} package: pip install {package}") from None
+        raise UserError(f"{what}: cannot import {module_name} ({first_line(error)}); install it or fix the path") from None
+
+
+def _pip_name(module_name: str) -> str:
+    top_level = module_name.partition(".")[0]
+    return _PIP_NAMES.get(top_level, top_level)
 
 
 def _construct(factory: Any, flag: str, *args: Any, **kwargs: Any) -> Any:
@@ -487,6 +641,26 @@ def _scaled_steps(value: int | float, total_steps: int, num_processes: int, flag
     if isinstance(value, float):
         return resolve_step_count(value, total_steps, flag)
     return resolve_step_count(value, total_steps, flag) * num_processes
+
+
+def _note_ignored_schedule(args: argparse.Namespace, optimizer_class: type) -> None:
+    """One warning line naming the scheduler options a schedule-free optimizer ignores (kohya
+    ignores them silently; the kohya_ss GUI always writes --lr_scheduler)."""
+    given = [f"--{flag} {value}" for flag, value in (
+        ("lr_scheduler", args.lr_scheduler if args.lr_scheduler != "constant" else None),
+        ("lr_scheduler_type", args.lr_scheduler_type),
+        ("lr_warmup_steps", args.lr_warmup_steps),
+        ("lr_scheduler_args", " ".join(args.lr_scheduler_args or ())),
+    ) if value]
+    if not given:
+        return
+    try:
+        takes_warmup = "warmup_steps" in inspect.signature(optimizer_class).parameters
+    except (TypeError, ValueError):
+        takes_warmup = False
+    hint = "; for a warmup give --optimizer_args warmup_steps=N" if takes_warmup else ""
+    logger.warning(f"--optimizer_type {optimizer_class.__name__} keeps its own schedule: {', '.join(given)} "
+                   f"ignored, as in kohya{hint}")
 
 
 def _refuse_warmup(args: argparse.Namespace, what: str) -> None:

@@ -11,7 +11,12 @@ Prompt files (``--sample_prompts``), as in kohya-ss sd-scripts:
   ``scale``, ``sample_sampler``.
 * ``.json``: a list of such dicts, or of prompt lines.
 
-The file is re-read at every sampling point, so it can be edited during a run.
+Prompt files are read only when a sample point is scheduled (``--sample_every_n_steps``,
+``--sample_every_n_epochs``, ``--sample_at_first``). An empty or missing file means no sampling,
+not an error: the kohya_ss GUI always passes ``<output_dir>/sample/prompt.txt`` and leaves it empty
+when its Samples box is. The VAE and text encoders are kept for sampling only when a sample point
+is scheduled and the file has prompts at the start; the file is re-read at every sample point, so
+it can be edited during a run (a file broken by an edit skips that point with one line).
 
 Images go to ``<output_dir>/sample/`` as
 ``<output_name>_<step:06d>_<prompt index:02d>_<YYYYmmddHHMMSS>[_<seed>].png`` (epoch sampling:
@@ -33,7 +38,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -49,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register kohya's sample-image options (one argument group)."""
     group = parser.add_argument_group("sample images", "Generate images with the LoRA being trained.")
     group.add_argument("--sample_prompts", type=str, default=None, metavar="FILE",
-                       help="prompt file (.txt with --n --w --h --d --s --l options per line, .toml or .json); "
-                            "keeps the VAE and text encoders loaded. Default: no sampling")
+                       help="prompt file (.txt with --n --w --h --d --s --l options per line, .toml or .json), "
+                            "read when a sample point is scheduled; then it keeps the VAE and text encoders "
+                            "loaded. An empty or missing file samples nothing. Default: no sampling")
     group.add_argument("--sample_every_n_steps", type=int, default=None, metavar="N",
                        help="sample every N optimizer steps (ignored with --sample_every_n_epochs). Default: never")
     group.add_argument("--sample_every_n_epochs", type=int, default=None, metavar="N",
@@ -135,7 +141,8 @@ def _checked(prompt: SamplePrompt, source: str) -> SamplePrompt:
 
 
 def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
-    """The prompts of a ``.txt``, ``.toml`` or ``.json`` prompt file; ``UserError`` when unusable."""
+    """The prompts of a ``.txt``, ``.toml`` or ``.json`` prompt file: ``[]`` when the file is missing,
+    empty or only comments; ``UserError`` when it cannot be read or parsed."""
     path = Path(path)
     source = str(path)
     suffix = path.suffix.lower()
@@ -143,10 +150,14 @@ def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
         raise UserError(f"--sample_prompts {path}: use a .txt, .toml or .json prompt file")
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
     except OSError as error:
         raise UserError(f"--sample_prompts {path}: cannot read ({error.strerror or error})") from None
     except UnicodeDecodeError:
         raise UserError(f"--sample_prompts {path}: not UTF-8 text") from None
+    if not text.strip():
+        return []  # also for .toml/.json: an empty file is the GUI's "no prompts", not a syntax error
     if suffix == ".txt":
         lines = [line.strip() for line in text.splitlines()]
         prompts = [parse_prompt_line(line, index, source)
@@ -171,20 +182,51 @@ def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
             raise UserError(f"--sample_prompts {path}: expected a JSON list of prompts")
         prompts = [parse_prompt_line(entry, index, source) if isinstance(entry, str)
                    else _from_dict(entry, index, source) for index, entry in enumerate(data)]
-    if not prompts:
-        raise UserError(f"--sample_prompts {path}: no prompts in the file")
     return prompts
 
 
+def is_scheduled(args: argparse.Namespace) -> bool:
+    """Whether the run has a sample point: a prompt file and ``--sample_at_first`` or an every-N option."""
+    return bool(getattr(args, "sample_prompts", None)) and bool(
+        args.sample_at_first or args.sample_every_n_steps or args.sample_every_n_epochs)
+
+
+def check_samplers(args: argparse.Namespace, prompts: list[SamplePrompt]) -> None:
+    """``UserError`` when ``--sample_sampler`` or a prompt's sampler cannot be built (lms without scipy)."""
+    for sampler in {args.sample_sampler, *(prompt.sampler for prompt in prompts if prompt.sampler)}:
+        make_scheduler(sampler, {})
+
+
 def validate_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad schedule values, and, when a sample point is scheduled, a prompt file that cannot
+    be parsed or names an unusable sampler (now, not at the first sample point)."""
     for flag in ("sample_every_n_steps", "sample_every_n_epochs"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UserError(f"--{flag} must be a positive integer (got {value})")
-    if getattr(args, "sample_prompts", None):
-        prompts = load_prompts(args.sample_prompts)
-        for sampler in {args.sample_sampler, *(prompt.sampler for prompt in prompts if prompt.sampler)}:
-            make_scheduler(sampler, {})  # an unusable sampler fails now, not at the first sample point
+    if is_scheduled(args):
+        check_samplers(args, load_prompts(args.sample_prompts))
+
+
+def drop_unused_prompt_file(args: argparse.Namespace, announce: Callable[[str], None] = print) -> None:
+    """Clear ``args.sample_prompts`` when the run will sample nothing, so that no sample point fires
+    and the VAE and text encoders are not kept for sampling (see :func:`is_scheduled`).
+
+    Nothing scheduled: cleared without reading the file, with one line only when the file has
+    content (the GUI's empty file says nothing). Scheduled, but the file is empty or missing:
+    cleared with one line. Call after :func:`validate_arguments`.
+    """
+    path = getattr(args, "sample_prompts", None)
+    if not path:
+        return
+    if not is_scheduled(args):
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            announce(f"--sample_prompts {path}: no sample point scheduled (--sample_every_n_steps, "
+                     f"--sample_every_n_epochs or --sample_at_first); no sample images this run")
+        args.sample_prompts = None
+    elif not load_prompts(path):
+        announce(f"--sample_prompts {path}: the file is empty or missing; no sample images this run")
+        args.sample_prompts = None
 
 
 def is_sample_point(args: argparse.Namespace, when: str, step: int, epoch: Optional[int] = None) -> bool:
@@ -282,11 +324,17 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
     """Generate the ``--sample_prompts`` images if ``(when, step, epoch)`` is a sample point (see
     :func:`is_sample_point`); returns the written files. ``network`` is already applied to
     ``models``. Training state (weights, modes, RNG) is unchanged afterwards."""
-    if when == "first":  # the trainer's first call: report a bad prompt file before any step
-        validate_arguments(args)
     if not is_sample_point(args, when, step, epoch) or not accelerator.is_main_process:
         return []
-    prompts = load_prompts(args.sample_prompts)
+    try:  # the file may have been edited since the start: a broken edit must not end the training
+        prompts = load_prompts(args.sample_prompts)
+        check_samplers(args, prompts)
+    except UserError as error:
+        print(f"\n{error}; no sample images at step {step}", flush=True)
+        return []
+    if not prompts:
+        print(f"\n--sample_prompts {args.sample_prompts}: no prompts now; no sample images at step {step}", flush=True)
+        return []
     folder = Path(args.output_dir) / SAMPLE_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     components = [models.unet, models.vae, *models.text_encoders, network]

@@ -91,11 +91,22 @@ def sum_gradients_across_processes(parameters: list[torch.Tensor]) -> None:
         return
     if torch.distributed.get_world_size() == 1:
         return
-    grads = []
+    # One flag per parameter travels in the same buffer: a parameter without a gradient on every
+    # process (e.g. DyLoRA's rank slices not drawn this step) must stay None, as in a 1-process
+    # run, where optimizers skip it (a zero gradient would still move AdamW's moments).
+    grads, has_grad = [], []
     for parameter in parameters:
+        has_grad.append(parameter.grad is not None)
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         grads.append(parameter.grad)
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    flags = torch.tensor(has_grad, dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.cat([grad.reshape(-1) for grad in grads] + [flags])
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-    torch._foreach_copy_(grads, [part.view_as(grad) for part, grad in zip(flat.split([g.numel() for g in grads]), grads)])
+    summed = flat[:-len(grads)]
+    torch._foreach_copy_(grads, [part.view_as(grad) for part, grad in zip(summed.split([g.numel() for g in grads]), grads)])
+    if all(has_grad):  # then no parameter can lack a gradient everywhere: no flag to read (no host sync)
+        return
+    for parameter, processes_with_grad in zip(parameters, flat[-len(grads):].tolist()):
+        if not processes_with_grad:
+            parameter.grad = None

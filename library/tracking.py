@@ -23,6 +23,8 @@ from library.errors import UserError, first_line
 DEFAULT_TRACKER_NAME = "network_train"
 # Never sent to a tracker by --log_config: secrets. Paths are left out too (see logged_config).
 _SECRETS = frozenset({"wandb_api_key", "huggingface_token"})
+# wandb modes that never contact a server, so need no API key
+_WANDB_KEYLESS_MODES = frozenset({"offline", "dryrun", "disabled"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +88,47 @@ def tracker_dir(args: argparse.Namespace) -> Optional[str]:
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
-    """Refuse a missing tracker package or an unreadable ``--log_tracker_config`` before anything loads."""
-    tracker_names(args)
+    """Refuse a missing tracker package, an unreadable ``--log_tracker_config`` or wandb without
+    credentials before anything loads."""
+    if "wandb" in (tracker_names(args) or []):
+        check_wandb_credentials(args)
     tracker_init_kwargs(args)
+
+
+def check_wandb_credentials(args: argparse.Namespace) -> None:
+    """``UserError`` when wandb would stop at ``wandb.init`` (after the models loaded) for want of an API key.
+
+    A key is ``--wandb_api_key`` or whatever wandb's own lookup finds (``WANDB_API_KEY``, an
+    identity token file, the netrc entry ``wandb login`` writes, wandb's settings file). The
+    modes offline, dryrun and disabled (``WANDB_MODE``, wandb's settings file, or ``mode`` in
+    ``--log_tracker_config``'s ``[wandb]`` table) need none. Reads environment and files only,
+    never the network. Imports wandb: call only when it is requested.
+    """
+    try:  # wandb's own lookup (a private module): where a wandb lacks it, wandb.init reports a missing key
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+    except ImportError:
+        return
+    if args.wandb_api_key:
+        problem = wbauth.check_api_key(args.wandb_api_key)
+        if problem:
+            raise UserError(f"--wandb_api_key: {problem}")
+        return
+    settings = wandb_setup.singleton().settings
+    init_options = tracker_init_kwargs(args).get("wandb")
+    mode = init_options.get("mode") if isinstance(init_options, dict) else None
+    if (mode or settings.mode) in _WANDB_KEYLESS_MODES:
+        return
+    try:
+        credentials = wbauth.authenticate_session(host=settings.base_url, source="--log_with", prompt=False,
+                                                  update_session=False)
+    except AuthenticationError as error:
+        raise UserError(f"--log_with {args.log_with}: wandb credentials unusable ({first_line(error)}); run "
+                        f"`wandb login`, pass --wandb_api_key KEY, or set WANDB_MODE=offline") from None
+    if credentials is None:
+        raise UserError(f"--log_with {args.log_with}: no wandb API key found; run `wandb login`, pass "
+                        f"--wandb_api_key KEY, or set WANDB_MODE=offline to log offline")
 
 
 def tracker_init_kwargs(args: argparse.Namespace) -> dict[str, Any]:

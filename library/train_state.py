@@ -7,6 +7,8 @@ It is written under a temporary name and renamed when complete; only then is the
 tracker file (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and
 only then are old states removed. So at any instant the newest complete state is intact
 and findable; ``--resume auto`` verifies it and falls back to the newest intact one.
+A state whose LoRA or optimizer holds NaN/Inf (a diverged run) is never written: it replaces,
+rotates away and hides no good state.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
-from library.lora_files import epoch_stem, step_stem
+from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,9 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save_state_on_train_end", action="store_true",
                         help="write a training state folder when training ends")
     parser.add_argument("--save_last_n_steps_state", type=int, default=None,
-                        help="keep only step states of the last N steps (older ones removed after a new one is complete)")
+                        help="keep only step states of the last N steps, by --save_last_n_steps' rule (removed "
+                             "after the new state is complete; default: --save_last_n_steps, else keep all)")
     parser.add_argument("--save_last_n_epochs_state", type=int, default=None,
-                        help="keep only epoch states of the last N epochs (older ones removed after a new one is complete)")
+                        help="keep only the last N epoch states, by --save_last_n_epochs' rule (removed after "
+                             "the new state is complete; default: --save_last_n_epochs, else keep all)")
     parser.add_argument("--resume", type=str, default=None,
                         help="state folder to resume from, or 'auto': the newest intact state of this "
                              "--output_dir/--output_name (start fresh when there is none)")
@@ -86,6 +89,24 @@ def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Pro
     step_in_epoch = step % steps_per_epoch if args.skip_until_initial_step else 0
     return replace(fresh, global_step=step, epoch=1 + step // steps_per_epoch,
                    batches_done=step_in_epoch * args.gradient_accumulation_steps)
+
+
+def kept_states(args: argparse.Namespace) -> tuple[Optional[int], Optional[int]]:
+    """(steps, epochs) the state rotation keeps: ``--save_last_n_steps_state`` /
+    ``--save_last_n_epochs_state``, each falling back to the LoRA files' value as in kohya."""
+    return (args.save_last_n_steps_state or args.save_last_n_steps,
+            args.save_last_n_epochs_state or args.save_last_n_epochs)
+
+
+def optimizer_non_finite(optimizer_state: dict[str, Any]) -> Optional[str]:
+    """The first optimizer state tensor holding NaN/Inf (e.g. an overflowed Adam second moment,
+    which would zero or poison every later update), as "exp_avg_sq of parameter 3"; None when finite.
+    Only the per-parameter state: hyperparameters may be legitimately infinite (Prodigy's growth_rate)."""
+    for index, values in optimizer_state.get("state", {}).items():
+        for name, value in values.items():
+            if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
+                return f"{name} of parameter {index}"
+    return None
 
 
 def step_state_name(output_name: str, step: int) -> str:
@@ -256,21 +277,38 @@ def kohya_state_hint(path: Path) -> str:
 class StateStore:
     """Writes, rotates, finds and reads the state folders of one run (``output_dir``/``output_name``).
 
-    ``before_rename`` is a test hook called after the files of a state are written and
-    before it becomes visible (kill tests use it to die mid-write).
+    ``save_dtype`` is the LoRA files' dtype (``--save_precision``): a state whose LoRA could not be
+    saved in it is refused like the files. ``before_rename`` is a test hook called after the files
+    of a state are written and before it becomes visible (kill tests use it to die mid-write).
     """
 
     def __init__(self, output_dir: str, output_name: str, protected: dict[str, Any],
+                 save_dtype: Optional[torch.dtype] = None,
                  before_rename: Optional[Callable[[Path], None]] = None) -> None:
         self.output_dir = Path(output_dir)
         self.output_name = output_name
         self.protected = protected
+        self.save_dtype = save_dtype
         self.tracker = self.output_dir / f"{output_name}{STATE_SUFFIX}.json"
         self._before_rename = before_rename
 
     # -- writing ------------------------------------------------------------------------
-    def save(self, name: str, progress: Progress, lora: dict[str, torch.Tensor], components: dict[str, Any]) -> Path:
-        """Write state folder ``name`` completely, then rename it into place and point the tracker at it."""
+    def save(self, name: str, progress: Progress, lora: dict[str, torch.Tensor],
+             components: dict[str, Any]) -> Optional[Path]:
+        """Write state folder ``name`` completely, then rename it into place and point the tracker at it.
+
+        Returns None, writing nothing and printing one line, when the LoRA or the optimizer state
+        holds NaN/Inf (or the LoRA overflows ``save_dtype``): the tracker keeps naming the last good state.
+        """
+        refusal = save_refusal(lora, self.save_dtype)
+        if refusal is None and "optimizer" in components:
+            bad_value = optimizer_non_finite(components["optimizer"])
+            refusal = f"the optimizer's {bad_value} holds NaN/Inf (the training diverged)" if bad_value else None
+        if refusal is not None:
+            newest = self._tracked_name()
+            keeps = f"{newest} stays the newest state (--resume auto resumes it)" if newest else "no state is kept"
+            print(f"\nnot saving state {name}: {refusal}; {keeps}", flush=True)
+            return None
         self.output_dir.mkdir(parents=True, exist_ok=True)
         final = self.output_dir / name
         temporary = self.output_dir / f".{name}.tmp{os.getpid()}"
@@ -308,19 +346,27 @@ class StateStore:
         atomic_write_text(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
         return final
 
-    def rotate(self, kind: str, current: int, keep: Optional[int]) -> None:
-        """Remove step states older than the last ``keep`` steps (kind 'step') or epoch states
-        older than the last ``keep`` epochs (kind 'epoch'), as kohya's flags mean."""
-        if not keep:
-            return
-        pattern = re.compile(
-            re.escape(self.output_name) + (r"-step(\d{8})" if kind == "step" else r"-(\d{6})") + re.escape(STATE_SUFFIX) + "$"
-        )
-        for path in self.output_dir.iterdir():
-            match = pattern.match(path.name)
-            if match and int(match.group(1)) <= current - keep and path.is_dir():
-                shutil.rmtree(path)
-                print(f"removed old state {path}", flush=True)
+    def rotate(self, kind: str, current: int, every: int, keep: Optional[int]) -> None:
+        """After the state of step (kind 'step') or epoch (kind 'epoch') ``current`` is complete,
+        remove the one state kohya removes then (``lora_files.step_to_remove`` / ``epoch_to_remove``;
+        saves every ``every`` steps/epochs, ``keep`` from ``kept_states``). Only that one: like
+        kohya, states left by other settings are not swept."""
+        if kind == "step":
+            old = step_to_remove(current, every, keep)
+            name = step_state_name(self.output_name, old) if old is not None else None
+        else:
+            old = epoch_to_remove(current, every, keep)
+            name = epoch_state_name(self.output_name, old) if old is not None else None
+        if name is not None and (self.output_dir / name).is_dir():
+            shutil.rmtree(self.output_dir / name)
+            print(f"removed old state {self.output_dir / name}", flush=True)
+
+    def _tracked_name(self) -> Optional[str]:
+        """The state folder the tracker names (None: no tracker, or unreadable)."""
+        try:
+            return json.loads(self.tracker.read_text())["state"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def remove_partial_writes(self) -> None:
         """Delete temporary folders left by a state write that was killed before its rename."""
@@ -413,7 +459,7 @@ class RunStates:
         if path is None:
             return None
         state = self.store.load(path)
-        self.network.load_state_dict({key: value.to(device) for key, value in state.lora.items()})
+        self.network.load_training_state_dict({key: value.to(device) for key, value in state.lora.items()})
         for name, component in self.components.items():
             try:
                 component.load_state_dict(state.components[name])
@@ -424,7 +470,7 @@ class RunStates:
         print(f"resumed at step {state.progress.global_step} (epoch {state.progress.epoch})")
         return state.progress
 
-    def save(self, name: str, progress: Progress) -> None:
-        """Write state folder ``name`` (atomically, see ``StateStore.save``)."""
+    def save(self, name: str, progress: Progress) -> bool:
+        """Write state folder ``name`` (atomically, see ``StateStore.save``); False when refused."""
         components = {key: component.state_dict() for key, component in self.components.items()}
-        self.store.save(name, progress, self.network.lora_state_dict(), components)
+        return self.store.save(name, progress, self.network.training_state_dict(), components) is not None

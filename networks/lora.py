@@ -6,31 +6,29 @@ A LoRA module wraps one Linear/Conv2d of the frozen model by replacing its ``for
 ``<lora_name>.lora_down.weight``, ``<lora_name>.lora_up.weight``, ``<lora_name>.alpha``,
 with ``lora_name`` = prefix + module path, dots replaced by underscores. SDXL UNet
 paths use the original (single-file) block names, SD1.x/2.x UNet paths the diffusers
-ones, exactly as kohya's trainers name them.
+ones, exactly as kohya's trainers name them (``networks.network_base`` holds the naming, the
+network container and the file I/O every type shares). kohya's block-wise network_args
+(per-block ranks and learning-rate weights) are here too; networks.lora_fa and networks.dylora
+reuse this network with their own modules.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
+import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save
 
 from library.errors import UserError
+from networks import network_base
+from networks.network_base import LORAPLUS_NETWORK_ARGS, AdapterModule, AdapterNetwork, Target, loraplus_ratios
+from networks.network_base import read_lora_file, save_lora_file  # noqa: F401  (the LoRA tools and tests import them from here)
 
-UNET_TARGET_MODULES = ("Transformer2DModel",)
-UNET_CONV_TARGET_MODULES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
-
-PREFIX_UNET = "lora_unet"
-PREFIX_TEXT_ENCODER = "lora_te"  # SD1.x/2.x; SDXL uses lora_te1 / lora_te2
+NETWORK_MODULE = "networks.lora"
 
 
-class LoRAModule(torch.nn.Module):
+class LoRAModule(AdapterModule):
     """Low-rank adapter added to the output of one Linear or Conv2d module."""
 
     def __init__(
@@ -44,8 +42,7 @@ class LoRAModule(torch.nn.Module):
         rank_dropout: Optional[float] = None,
         module_dropout: Optional[float] = None,
     ) -> None:
-        super().__init__()
-        self.lora_name = lora_name
+        super().__init__(lora_name, org_module, multiplier)
         self.lora_dim = lora_dim
         if isinstance(org_module, torch.nn.Conv2d):
             self.lora_down = torch.nn.Conv2d(
@@ -61,29 +58,13 @@ class LoRAModule(torch.nn.Module):
         alpha = lora_dim if alpha is None or alpha == 0 else alpha
         self.register_buffer("alpha", torch.tensor(float(alpha)))
         self.scale = float(alpha) / lora_dim
-        self.multiplier = multiplier
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
-        # A plain list keeps the wrapped module out of this module's children and state dict.
-        self._org_module = [org_module]
-        self._org_forward = None
-
-    def apply_to(self) -> None:
-        """Route the wrapped module's forward through this adapter."""
-        org_module = self._org_module[0]
-        self._org_forward = org_module.forward
-        org_module.forward = self.forward
-
-    def restore(self) -> None:
-        """Undo ``apply_to``: the wrapped module computes its original output again."""
-        if self._org_forward is not None:
-            self._org_module[0].forward = self._org_forward
-            self._org_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         org_out = self._org_forward(x)
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+        if network_base.module_dropout_skips(self.module_dropout, self.training):
             return org_out
         lx = self.lora_down(x)
         if self.dropout and self.training:
@@ -99,66 +80,29 @@ class LoRAModule(torch.nn.Module):
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected output unchanged
         return org_out + self.lora_up(lx) * (self.multiplier * scale)
 
+    # -- hooks of networks.network_base ------------------------------------------------
+    def loraplus_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.lora_up.weight]
 
-def _lora_targets(
-    root: torch.nn.Module,
-    prefix: str,
-    target_classes: Iterable[str],
-    rename: Optional[Callable[[str], str]] = None,
-) -> list[tuple[str, torch.nn.Module]]:
-    """(lora_name, module) for every Linear/Conv2d inside a module of a target class.
+    def max_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lora_up.weight, self.lora_down.weight
 
-    ``rename`` maps a module path to the one the key is named after.
-    """
-    targets = []
-    seen = set()
-    target_classes = tuple(target_classes)
-    for name, module in root.named_modules():
-        if module.__class__.__name__ not in target_classes:
-            continue
-        for child_name, child in module.named_modules():
-            if not isinstance(child, (torch.nn.Linear, torch.nn.Conv2d)) or not child_name:
-                continue
-            path = f"{name}.{child_name}" if name else child_name
-            if path in seen:
-                continue
-            seen.add(path)
-            if rename is not None:
-                path = rename(path)
-            targets.append((f"{prefix}.{path}".replace(".", "_"), child))
-    return targets
+    def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
+        parts = {"down": self.lora_down.weight, "up": self.lora_up.weight, "alpha": self.alpha}
+        return {"weight": self.org_module.weight.float() + multiplier * lora_delta(parts)}
 
 
-def _text_model_path(path: str) -> str:
-    """kohya names text encoder modules ``text_model.encoder...``; transformers 5's
-    CLIPTextModel has dropped the ``text_model.`` level from its module paths."""
-    return path if path.startswith("text_model.") else f"text_model.{path}"
-
-
-def _is_linear_like(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear) or (
-        isinstance(module, torch.nn.Conv2d) and tuple(module.kernel_size) == (1, 1)
-    )
-
-
-@dataclass(frozen=True)
-class MaxNormStats:
-    """What ``LoRANetwork.apply_max_norm_regularization`` did: 0-dim tensors on the network's
-    device, so that reading them (``.item()``, only when logging) is the caller's choice of sync."""
-
-    keys_scaled: torch.Tensor  # int64: number of modules scaled down
-    mean_norm: torch.Tensor  # mean over modules of ||delta W||_F after scaling
-    max_norm: torch.Tensor  # max over modules of the same
-
-
-class LoRANetwork(torch.nn.Module):
+class LoRANetwork(AdapterNetwork):
     """All LoRA modules for one UNet and its text encoders.
 
     Linear and 1x1 conv modules get ``lora_dim``/``alpha``; 3x3 convs of ResNet blocks
     and samplers are targeted only when ``conv_lora_dim`` is given (then the Linear
     and 1x1 modules of those blocks get ``lora_dim`` too, as in kohya).
-    ``modules_dim``/``modules_alpha`` (from ``--dim_from_weights``) fix per-module
-    ranks and restrict the network to the modules they name.
+    ``blocks`` (kohya's block-wise network_args) sizes UNet modules per block instead and sets
+    their learning-rate weights. ``modules_dim``/``modules_alpha`` (from ``--dim_from_weights``)
+    fix per-module ranks and restrict the network to the modules they name.
+    ``make_module(target, dim, alpha)`` builds one module (default: a ``LoRAModule`` with the
+    dropouts); networks.lora_fa and networks.dylora pass their own.
     """
 
     def __init__(
@@ -177,214 +121,187 @@ class LoRANetwork(torch.nn.Module):
         unet_module_names: Optional[Mapping[str, str]] = None,
         modules_dim: Optional[Mapping[str, int]] = None,
         modules_alpha: Optional[Mapping[str, float]] = None,
+        blocks: Optional[BlockSettings] = None,
+        make_module: Optional[Callable[[Target, int, float], torch.nn.Module]] = None,
+        network_module: str = NETWORK_MODULE,
     ) -> None:
-        super().__init__()
-        self.multiplier = multiplier
+        if make_module is None:
+            def make_module(target: Target, dim: int, module_alpha: float) -> torch.nn.Module:
+                return LoRAModule(target.lora_name, target.module, multiplier, dim, module_alpha, dropout,
+                                  rank_dropout, module_dropout)
+
+        def size(target: Target, in_unet: bool) -> tuple[Optional[int], Optional[float]]:
+            """(rank, alpha) of a target; rank None or 0: no module."""
+            if modules_dim is not None:
+                name = target.lora_name
+                return (modules_dim[name], modules_alpha[name]) if name in modules_dim else (None, None)
+            if in_unet and blocks is not None:
+                return blocks.size(target)
+            if target.kind != "conv":
+                return lora_dim, alpha
+            return (conv_lora_dim, conv_alpha) if conv_lora_dim else (None, None)
+
+        def create(targets: list[Target], in_unet: bool) -> list[torch.nn.Module]:
+            modules = []
+            for target in targets:
+                dim, module_alpha = size(target, in_unet)
+                if not dim:
+                    continue
+                module = make_module(target, dim, module_alpha)
+                if in_unet and blocks is not None and blocks.lr_weights is not None:
+                    module.lr_block = blocks.index(target.lora_name)
+                    module.lr_weight = blocks.lr_weights[module.lr_block]
+                modules.append(module)
+            return modules
+
+        text_encoder_loras = [lora for targets in network_base.text_encoder_targets(text_encoders)
+                              for lora in create(targets, in_unet=False)]
+        with_convs = modules_dim is not None or (blocks.conv_dims is not None if blocks is not None else conv_lora_dim)
+        unet_classes = network_base.UNET_TARGET_MODULES
+        if with_convs:
+            unet_classes = network_base.UNET_TARGET_MODULES + network_base.UNET_CONV_TARGET_MODULES
+        unet_loras = create(network_base.unet_targets(unet, unet_module_names, unet_classes), in_unet=True)
+        super().__init__(text_encoder_loras, unet_loras, multiplier, network_module)
         self.lora_dim = lora_dim
         self.alpha = alpha
         self.conv_lora_dim = conv_lora_dim
         self.conv_alpha = conv_alpha
 
-        def create(targets: list[tuple[str, torch.nn.Module]]) -> list[LoRAModule]:
-            modules = []
-            for lora_name, child in targets:
-                if modules_dim is not None:
-                    if lora_name not in modules_dim:
-                        continue
-                    dim, module_alpha = modules_dim[lora_name], modules_alpha[lora_name]
-                elif _is_linear_like(child):
-                    dim, module_alpha = lora_dim, alpha
-                elif conv_lora_dim:
-                    dim, module_alpha = conv_lora_dim, conv_alpha
-                else:
-                    continue
-                modules.append(
-                    LoRAModule(lora_name, child, multiplier, dim, module_alpha, dropout, rank_dropout, module_dropout)
-                )
-            return modules
 
-        self.text_encoder_loras: list[LoRAModule] = []
-        for index, text_encoder in enumerate(text_encoders):
-            prefix = PREFIX_TEXT_ENCODER if len(text_encoders) == 1 else f"{PREFIX_TEXT_ENCODER}{index + 1}"
-            self.text_encoder_loras += create(
-                _lora_targets(text_encoder, prefix, TEXT_ENCODER_TARGET_MODULES, _text_model_path)
-            )
-
-        unet_classes = UNET_TARGET_MODULES
-        if conv_lora_dim or modules_dim is not None:
-            unet_classes = UNET_TARGET_MODULES + UNET_CONV_TARGET_MODULES
-        rename = unet_module_names.__getitem__ if unet_module_names is not None else None
-        self.unet_loras: list[LoRAModule] = create(_lora_targets(unet, PREFIX_UNET, unet_classes, rename))
-
-        for lora in self.text_encoder_loras + self.unet_loras:
-            if lora.lora_name in self._modules:
-                raise ValueError(f"duplicate LoRA module name {lora.lora_name}")
-            self.add_module(lora.lora_name, lora)
-        self._max_norm_groups: Optional[list[list[LoRAModule]]] = None  # see apply_max_norm_regularization
-
-    # -- wiring --------------------------------------------------------------------
-    def apply_to(self, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
-        """Hook the adapters into the model; the parts not applied are dropped."""
-        if not apply_text_encoder:
-            self._drop(self.text_encoder_loras)
-            self.text_encoder_loras = []
-        if not apply_unet:
-            self._drop(self.unet_loras)
-            self.unet_loras = []
-        self._max_norm_groups = None  # the module lists may have changed
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.apply_to()
-
-    def _drop(self, loras: list[LoRAModule]) -> None:
-        for lora in loras:
-            del self._modules[lora.lora_name]
-
-    def restore(self) -> None:
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.restore()
-
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.multiplier = multiplier
-
-    def prepare_optimizer_params(
-        self, text_encoder_lr: Optional[list[float]], unet_lr: Optional[float], default_lr: float,
-        loraplus: tuple[Optional[float], Optional[float]] = (None, None),
-    ) -> list[dict]:
-        """Parameter groups: one per text encoder, one for the UNet (kohya's lr rules).
-
-        ``text_encoder_lr`` may hold one value for all text encoders or one per encoder;
-        a missing value falls back to ``default_lr``. ``loraplus``: the (text encoder, UNet)
-        LoRA+ ratios (see ``loraplus_ratios``): a part with a ratio gets a second group, its
-        lora_up weights at lr * ratio. A part whose lr is 0 is not trained (kohya): its
-        parameters get no group and ``requires_grad`` False.
-        """
-        parts: list[tuple[list[LoRAModule], float, Optional[float]]] = []
-        if self.text_encoder_loras:
-            by_prefix: dict[str, list[LoRAModule]] = {}
-            for lora in self.text_encoder_loras:
-                by_prefix.setdefault(lora.lora_name.split("_")[1], []).append(lora)
-            for index, loras in enumerate(by_prefix.values()):
-                lr = default_lr
-                if text_encoder_lr:
-                    lr = text_encoder_lr[min(index, len(text_encoder_lr) - 1)]
-                parts.append((loras, lr, loraplus[0]))
-        if self.unet_loras:
-            parts.append((self.unet_loras, unet_lr if unet_lr is not None else default_lr, loraplus[1]))
-        groups = []
-        for loras, lr, ratio in parts:
-            if lr == 0:
-                for lora in loras:
-                    lora.requires_grad_(False)
-                continue
-            up = [lora.lora_up.weight for lora in loras] if ratio is not None else []
-            up_ids = {id(weight) for weight in up}
-            rest = [p for lora in loras for p in lora.parameters() if id(p) not in up_ids]
-            groups.append({"params": rest, "lr": lr})
-            if up:
-                groups.append({"params": up, "lr": lr * ratio})
-        return groups
-
-    # -- max-norm regularisation (--scale_weight_norms) --------------------------------
-    @torch.no_grad()
-    def apply_max_norm_regularization(self, max_norm: float) -> MaxNormStats:
-        """Scale down every LoRA module whose weight change is larger than ``max_norm``.
-
-        Same result as kohya's ``apply_max_norm_regularization``: with ``W = up @ down * alpha / rank``
-        (conv weights flattened to ``(out, rank)`` @ ``(rank, in*kh*kw)``), a module with
-        ``||W||_F > max_norm`` gets both weights multiplied in place by ``sqrt(max_norm / ||W||_F)``,
-        so its ``||W||_F`` becomes ``max_norm``; the others are left bit-identical. Returns the
-        number of modules scaled and the mean and max of ``||W||_F`` after scaling, as device
-        tensors: nothing here waits for the GPU, as this runs after every optimizer step.
-        """
-        if self._max_norm_groups is None:
-            # Modules whose flattened (out, rank, k) shapes agree are stacked for one bmm; the
-            # modules are fixed once built (apply_to resets this), so group them only once.
-            groups: dict[tuple[int, int, int], list[LoRAModule]] = {}
-            for lora in self.text_encoder_loras + self.unet_loras:
-                up, down = lora.lora_up.weight, lora.lora_down.weight
-                groups.setdefault((up.shape[0], down.shape[0], down[0].numel()), []).append(lora)
-            self._max_norm_groups = list(groups.values())
-        loras = [lora for group in self._max_norm_groups for lora in group]  # the order of `norms`
-        if not loras:
-            zero = torch.zeros(())
-            return MaxNormStats(zero.long(), zero, zero)
-
-        unscaled = []  # ||up @ down||_F / rank per module, group by group
-        for group in self._max_norm_groups:
-            rank = group[0].lora_dim
-            # Weights are read here, not cached: .to() and load_state_dict(assign=True) replace tensors.
-            up = torch.stack([lora.lora_up.weight.reshape(-1, rank) for lora in group]).float()
-            down = torch.stack([lora.lora_down.weight.reshape(rank, -1) for lora in group]).float()
-            # ||U D||_F^2 = trace(U^T U D D^T) = sum((U^T U) * (D D^T)): two rank x rank Gram
-            # matrices instead of the (out x k) product.
-            squared = (torch.bmm(up.mT, up) * torch.bmm(down, down.mT)).sum((1, 2))
-            unscaled.append(squared.clamp(min=0).sqrt() / rank)  # clamp: rounding can dip below 0
-        # alpha from the buffer, as kohya reads it from the state dict (it is what the file holds).
-        norms = torch.cat(unscaled) * torch.stack([lora.alpha for lora in loras]).float().abs()
-
-        # kohya's arithmetic: ratio is exactly 1 unless norm > max_norm, and max_norm / norm then.
-        clamped = norms.clamp(min=max_norm / 2)
-        ratio = clamped.clamp(max=max_norm) / clamped
-        # Multiplying by sqrt(1) = 1 leaves a weight bit-identical, so every module is multiplied
-        # and no Python branch on a device value is needed.
-        factors = list(ratio.sqrt().unbind())
-        torch._foreach_mul_([lora.lora_up.weight for lora in loras], factors)
-        torch._foreach_mul_([lora.lora_down.weight for lora in loras], factors)
-        scaled_norms = norms * ratio
-        return MaxNormStats((ratio != 1).sum(), scaled_norms.mean(), scaled_norms.max())
-
-    # -- files ---------------------------------------------------------------------
-    def lora_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of every key, cast to ``dtype`` when given."""
-        state = {}
-        for key, value in self.state_dict().items():
-            value = value.detach().to("cpu")
-            if dtype is not None:
-                value = value.to(dtype)
-            state[key] = value.contiguous()
-        return state
-
-    def load_weights(self, path: str) -> None:
-        """Load a kohya LoRA file into this network; every key and shape must match."""
-        weights = read_lora_file(path)
-        own = self.state_dict()
-        missing = sorted(set(own) - set(weights))
-        unexpected = sorted(set(weights) - set(own))
-        if missing or unexpected:
-            detail = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-            raise UserError(
-                f"--network_weights {path}: keys do not match this network ({len(missing)} missing, "
-                f"{len(unexpected)} unexpected; {detail}); check --network_dim, --network_args and the base model"
-            )
-        for key, value in weights.items():
-            if value.shape != own[key].shape:
-                raise UserError(
-                    f"--network_weights {path}: {key} has shape {tuple(value.shape)}, this network needs "
-                    f"{tuple(own[key].shape)}; pass the file's rank with --network_dim or use --dim_from_weights"
-                )
-            # The modules' output scale was fixed from --network_alpha when they were built; a
-            # different alpha in the file would be saved back while training used the other one.
-            # Compared in the file's dtype: a bf16/fp16 file stores the alpha rounded.
-            if key.endswith(".alpha") and not torch.equal(own[key].to(value.dtype), value):
-                raise UserError(
-                    f"--network_weights {path}: {key} is {float(value):g}, this network's is {float(own[key]):g}; "
-                    f"pass the file's alpha with --network_alpha (conv_alpha for conv modules) or use "
-                    f"--dim_from_weights"
-                )
-        self.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=True)
+# --------------------------------------------------------------------------- block-wise network_args
+# kohya's UNet blocks: SD1.x/2.x 12 down + 1 mid + 12 up (25, diffusers names); SDXL
+# 1 (embeddings) + 9 input + 3 middle + 9 output + 1 (out) = 23 (original names).
+SD_BLOCKS, SD_MID_BLOCKS = 12, 1
+SDXL_BLOCKS, SDXL_MID_BLOCKS = 9, 3
+LR_WEIGHT_CURVES = ("cosine", "sine", "linear", "reverse_linear", "zeros")
+BLOCKWISE_NETWORK_ARGS = ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight",
+                          "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold")
+_SD_BLOCK_NAME = re.compile(r"(up|down)_blocks_(\d+)_(resnets|upsamplers|downsamplers|attentions)_(\d+)_")
 
 
-def read_lora_file(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a LoRA safetensors file; a missing or corrupt file is a UserError."""
-    if not os.path.isfile(path):
-        raise UserError(f"LoRA file {path} does not exist")
+def block_count(is_sdxl: bool) -> int:
+    return 1 + SDXL_BLOCKS * 2 + SDXL_MID_BLOCKS + 1 if is_sdxl else SD_BLOCKS * 2 + SD_MID_BLOCKS
+
+
+def block_index(lora_name: str, is_sdxl: bool) -> int:
+    """kohya's block of a UNet module name (``get_block_index``); -1 (the last entry) outside the blocks."""
+    if is_sdxl:
+        name = lora_name[len("lora_unet_"):] if lora_name.startswith("lora_unet_") else ""
+        for prefix, first in (("input_blocks_", 1), ("middle_block_", 10), ("output_blocks_", 13)):
+            if name.startswith(prefix):
+                return first + int(name.split("_")[2])
+        if name.startswith(("time_embed_", "label_emb_")):
+            return 0
+        return 22 if name.startswith("out_") else -1
+    match = _SD_BLOCK_NAME.search(lora_name)
+    if match:
+        direction, level, kind, number = match.groups()
+        index = 3 * int(level) + (2 if kind in ("upsamplers", "downsamplers") else int(number))
+        return 1 + index if direction == "down" else SD_BLOCKS + 1 + index
+    return SD_BLOCKS if "mid_block_" in lora_name else -1
+
+
+def _lr_weight_curve(key: str, text: str, length: int) -> list[float]:
+    """kohya's named lr weight curves: ``name`` or ``name+base`` over ``length`` blocks."""
+    name, _, base = text.partition("+")
     try:
-        with safe_open(path, framework="pt", device="cpu") as file:
-            return {key: file.get_tensor(key) for key in file.keys()}
-    except Exception as error:  # safetensors raises several types for damaged files
-        raise UserError(f"LoRA file {path} is not a readable safetensors file ({error})") from None
+        offset = float(base) if base else 0.0
+    except ValueError:
+        offset = None
+    if name not in LR_WEIGHT_CURVES or offset is None:
+        raise UserError(f"--network_args {key}={text}: give comma-separated numbers or one of "
+                        f"{', '.join(LR_WEIGHT_CURVES)} (optionally +base)")
+    steps = [i / (length - 1) for i in range(length)]
+    curve = {
+        "cosine": [math.sin(math.pi * step / 2) for step in reversed(steps)],
+        "sine": [math.sin(math.pi * step / 2) for step in steps],
+        "linear": steps,
+        "reverse_linear": list(reversed(steps)),
+        "zeros": [0.0] * length,
+    }[name]
+    return [value + offset for value in curve]
+
+
+def _given_lr_weights(network_args: Mapping[str, str], key: str, length: int) -> Optional[list[float]]:
+    """``down/mid/up_lr_weight`` as given (a curve is evaluated at ``length`` blocks); None when absent.
+    An empty list item is 0 (kohya)."""
+    text = network_args.get(key)
+    if text is None or text in ("", "None"):
+        return None
+    if "," not in text and key != "mid_lr_weight":
+        return _lr_weight_curve(key, text, length)
+    return network_base.read_list(network_args, key, float, empty=0.0)
+
+
+def _lr_weights(network_args: Mapping[str, str], key: str, length: int, threshold: float) -> list[float]:
+    """One of ``down/mid/up_lr_weight`` at ``length`` entries (kohya: longer lists are cut, shorter
+    ones filled with 1; weights not above ``threshold`` become 0); all 1 when absent."""
+    weights = _given_lr_weights(network_args, key, length)
+    if weights is None:
+        return [1.0] * length
+    if len(weights) != length:
+        print(f"--network_args {key}: {len(weights)} values for {length} blocks; "
+              f"{'extra ones ignored' if len(weights) > length else 'missing ones set to 1'}")
+        weights = (weights + [1.0] * length)[:length]
+    return [weight if weight > threshold else 0.0 for weight in weights]
+
+
+@dataclass(frozen=True)
+class BlockSettings:
+    """Per-block UNet ranks/alphas and learning-rate weights (lists indexed by ``block_index``)."""
+
+    is_sdxl: bool
+    dims: list[int]
+    alphas: list[float]
+    conv_dims: Optional[list[int]]  # None: 3x3 convs not trained
+    conv_alphas: Optional[list[float]]
+    lr_weights: Optional[list[float]]  # None: no block learning rates
+
+    def index(self, lora_name: str) -> int:
+        return block_index(lora_name, self.is_sdxl)
+
+    def size(self, target: Target) -> tuple[Optional[int], Optional[float]]:
+        index = self.index(target.lora_name)
+        if target.kind != "conv":
+            return self.dims[index], self.alphas[index]
+        if self.conv_dims is None:
+            return None, None
+        return self.conv_dims[index], self.conv_alphas[index]
+
+
+def block_settings(network_args: Mapping[str, str], is_sdxl: bool, network_dim: int, network_alpha: float,
+                   conv_dim: Optional[int], conv_alpha: Optional[float]) -> Optional[BlockSettings]:
+    """kohya's block-wise arguments, or None when none of ``block_dims`` and the lr weights is given
+    (then block_alphas / conv_block_* are ignored, as in kohya). A block whose lr weight is 0 gets rank 0."""
+    lr_keys = ("down_lr_weight", "mid_lr_weight", "up_lr_weight")
+    has_lr_weights = any(network_args.get(key) not in (None, "", "None") for key in lr_keys)
+    if network_args.get("block_dims") in (None, "", "None") and not has_lr_weights:
+        return None
+    count = block_count(is_sdxl)
+    read = network_base.read_list
+    dims = read(network_args, "block_dims", int, count) or [network_dim] * count
+    alphas = read(network_args, "block_alphas", float, count) or [network_alpha] * count
+    conv_dims = read(network_args, "conv_block_dims", int, count)
+    if conv_dims is not None:
+        conv_alphas = read(network_args, "conv_block_alphas", float, count) or [conv_alpha or 1.0] * count
+    elif conv_dim is not None:
+        conv_dims, conv_alphas = [conv_dim] * count, [conv_alpha] * count
+    else:
+        conv_alphas = None
+    lr_weights = None
+    if has_lr_weights:
+        threshold = network_base.read_number(network_args, "block_lr_zero_threshold", float, default=0.0)
+        sides = SDXL_BLOCKS if is_sdxl else SD_BLOCKS
+        mid = SDXL_MID_BLOCKS if is_sdxl else SD_MID_BLOCKS
+        lr_weights = (_lr_weights(network_args, "down_lr_weight", sides, threshold)
+                      + _lr_weights(network_args, "mid_lr_weight", mid, threshold)
+                      + _lr_weights(network_args, "up_lr_weight", sides, threshold))
+        if is_sdxl:
+            lr_weights = [1.0] + lr_weights + [1.0]  # embeddings and out: not block-weighted
+        dims = [0 if weight == 0 else dim for dim, weight in zip(dims, lr_weights)]
+        if conv_dims is not None:
+            conv_dims = [0 if weight == 0 else dim for dim, weight in zip(conv_dims, lr_weights)]
+    return BlockSettings(is_sdxl, dims, alphas, conv_dims, conv_alphas, lr_weights)
 
 
 def dims_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, float]]:
@@ -401,91 +318,48 @@ def dims_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, in
     return modules_dim, modules_alpha
 
 
-def find_non_finite(state: Mapping[str, torch.Tensor]) -> Optional[str]:
-    """Name of the first LoRA module holding NaN/Inf, or None when all are finite."""
-    for key, value in state.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            return key.partition(".")[0]
-    return None
+DROPOUT_NETWORK_ARGS = ("rank_dropout", "module_dropout")
+KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", *DROPOUT_NETWORK_ARGS, *BLOCKWISE_NETWORK_ARGS, *LORAPLUS_NETWORK_ARGS)
 
 
-def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
-    """A safetensors file whose header JSON has sorted keys, so equal contents give equal bytes.
-
-    safetensors writes the metadata map in a per-process random order; a resumed run must be
-    able to reproduce an uninterrupted run's file byte for byte. Tensor offsets are relative
-    to the end of the header, so rewriting the header leaves the data untouched.
-    """
-    data = save(dict(state), dict(metadata))
-    header_length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_length])
-    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    canonical += b" " * (-len(canonical) % 8)  # the format pads the header to 8 bytes
-    return len(canonical).to_bytes(8, "little") + canonical + data[8 + header_length :]
-
-
-def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
-    """Write a LoRA safetensors file atomically (temp name in the same folder, then rename).
-
-    Refuses non-finite weights so that a diverged run never replaces a good file.
-    """
-    bad_module = find_non_finite(state)
-    if bad_module is not None:
-        raise FloatingPointError(f"not saving {path}: LoRA module {bad_module} holds NaN/Inf")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(temp_path, "wb") as file:
-            file.write(canonical_safetensors_bytes(state, metadata))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp_path, path)
-    finally:
-        if os.path.exists(temp_path):
-            os.remove(temp_path)
+def validate_network_args(network_args: Mapping[str, str], known: tuple[str, ...] = KNOWN_NETWORK_ARGS,
+                          network_module: str = NETWORK_MODULE) -> None:
+    """Refuse unknown or malformed ``--network_args`` before any model is loaded (list lengths
+    depend on the model: checked when the network is built)."""
+    network_base.check_known_args(network_args, known, network_module)
+    for key in ("conv_dim", *DROPOUT_NETWORK_ARGS, "conv_alpha", "block_lr_zero_threshold"):
+        network_base.read_number(network_args, key, int if key == "conv_dim" else float)
+    for key in ("block_dims", "conv_block_dims"):
+        network_base.read_list(network_args, key, int)
+    for key in ("block_alphas", "conv_block_alphas"):
+        network_base.read_list(network_args, key, float)
+    for key in ("down_lr_weight", "mid_lr_weight", "up_lr_weight"):
+        _given_lr_weights(network_args, key, SDXL_BLOCKS)
+    if any(key in known for key in LORAPLUS_NETWORK_ARGS):
+        loraplus_ratios(network_args)
 
 
-def parse_network_args(pairs: Optional[list[str]]) -> dict[str, str]:
-    """``--network_args key=value ...`` as a dict of strings; a malformed item is a UserError."""
-    parsed = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--network_args: '{pair}' is not key=value (e.g. conv_dim=4 conv_alpha=1)")
-        parsed[key.strip()] = value.strip()
-    return parsed
-
-
-def _optional_number(network_args: Mapping[str, str], key: str, kind: type):
-    if key not in network_args or network_args[key] in ("", "None"):
-        return None
-    try:
-        value = kind(network_args[key])
-    except ValueError:
-        raise UserError(f"--network_args {key}={network_args[key]} is not a {kind.__name__}") from None
-    if value < 0 or (kind is float and key.endswith("dropout") and value >= 1):
-        raise UserError(f"--network_args {key}={network_args[key]} is out of range")
-    return value
-
-
-LORAPLUS_NETWORK_ARGS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
-KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", *LORAPLUS_NETWORK_ARGS)
-# kohya's block-wise options for networks.lora, not implemented here (refused by name, not as unknown).
-BLOCKWISE_NETWORK_ARGS = ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight",
-                          "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold")
-
-
-def loraplus_ratios(network_args: Mapping[str, str]) -> tuple[Optional[float], Optional[float]]:
-    """LoRA+ (kohya's network_args): the (text encoder, UNet) multipliers of the lora_up learning
-    rate; a part-specific ratio wins over ``loraplus_lr_ratio``. None: plain LoRA for that part."""
-    ratios = {key: _optional_number(network_args, key, float) for key in LORAPLUS_NETWORK_ARGS}
-    for key, ratio in ratios.items():
-        if ratio is not None and not ratio > 0:
-            raise UserError(f"--network_args {key}={network_args[key]} must be a positive number")
-    general = ratios["loraplus_lr_ratio"]
-    text_encoder, unet = ratios["loraplus_text_encoder_lr_ratio"], ratios["loraplus_unet_lr_ratio"]
-    return (text_encoder if text_encoder is not None else general, unet if unet is not None else general)
+def lora_options(network_args: Mapping[str, str], network_dim: Optional[int], network_alpha: Optional[float],
+                 unet_module_names: Optional[Mapping[str, str]]) -> dict:
+    """LoRANetwork keyword arguments from kohya's LoRA network_args (shared by networks.lora_fa)."""
+    network_dim = network_dim or 4
+    network_alpha = network_alpha if network_alpha is not None else 1.0
+    conv_dim = network_base.read_number(network_args, "conv_dim", int)
+    conv_alpha = network_base.read_number(network_args, "conv_alpha", float)
+    if conv_dim and conv_alpha is None:
+        conv_alpha = 1.0
+    return dict(
+        lora_dim=network_dim,
+        alpha=network_alpha,
+        rank_dropout=network_base.read_number(network_args, "rank_dropout", float),
+        module_dropout=network_base.read_number(network_args, "module_dropout", float),
+        conv_lora_dim=conv_dim,
+        conv_alpha=conv_alpha,
+        unet_module_names=unet_module_names,
+        # SDXL is named after the original layout (the trainer passes its name map)
+        blocks=block_settings(network_args, unet_module_names is not None, network_dim, network_alpha, conv_dim,
+                              conv_alpha),
+    )
 
 
 def create_network(
@@ -500,30 +374,9 @@ def create_network(
     **network_args: str,
 ) -> LoRANetwork:
     """kohya's ``create_network`` entry point: ``network_args`` are the ``--network_args`` strings."""
-    blockwise = sorted(set(network_args) & set(BLOCKWISE_NETWORK_ARGS))
-    if blockwise:
-        raise UserError(f"--network_args {blockwise[0]}: block-wise ranks and learning rates are not supported "
-                        f"by this trainer (supported: {', '.join(KNOWN_NETWORK_ARGS)})")
-    unknown = sorted(set(network_args) - set(KNOWN_NETWORK_ARGS))
-    if unknown:
-        raise UserError(f"--network_args: unknown key {unknown[0]} (valid: {', '.join(KNOWN_NETWORK_ARGS)})")
-    conv_dim = _optional_number(network_args, "conv_dim", int)
-    conv_alpha = _optional_number(network_args, "conv_alpha", float)
-    if conv_dim and conv_alpha is None:
-        conv_alpha = 1.0
-    return LoRANetwork(
-        text_encoders,
-        unet,
-        multiplier=multiplier,
-        lora_dim=network_dim or 4,
-        alpha=network_alpha if network_alpha is not None else 1.0,
-        dropout=neuron_dropout,
-        rank_dropout=_optional_number(network_args, "rank_dropout", float),
-        module_dropout=_optional_number(network_args, "module_dropout", float),
-        conv_lora_dim=conv_dim,
-        conv_alpha=conv_alpha,
-        unet_module_names=unet_module_names,
-    )
+    validate_network_args(network_args)
+    return LoRANetwork(text_encoders, unet, multiplier=multiplier, dropout=neuron_dropout,
+                       **lora_options(network_args, network_dim, network_alpha, unet_module_names))
 
 
 def create_network_from_weights(
@@ -532,34 +385,47 @@ def create_network_from_weights(
     text_encoders: list[torch.nn.Module],
     unet: torch.nn.Module,
     unet_module_names: Optional[Mapping[str, str]] = None,
+    **network_args: str,
 ) -> LoRANetwork:
-    """A network shaped like a saved file (``--dim_from_weights``): same modules, ranks and alphas."""
+    """A network shaped like a saved file (``--dim_from_weights``, merging): same modules, ranks and
+    alphas. Of ``network_args`` the dropouts and block learning-rate weights apply (kohya: the
+    same); the shape comes from the file."""
+    validate_network_args(network_args)
     modules_dim, modules_alpha = dims_from_weights(weights)
-    return LoRANetwork(
-        text_encoders,
-        unet,
-        multiplier=multiplier,
-        unet_module_names=unet_module_names,
-        modules_dim=modules_dim,
-        modules_alpha=modules_alpha,
-    )
+    options = lora_options(network_args, None, None, unet_module_names)  # dropouts and block lr weights
+    return LoRANetwork(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim, modules_alpha=modules_alpha,
+                       **options)
 
 
 # --------------------------------------------------------------------------- offline tools
 # Shared by networks/check_lora_weights.py, resize_lora.py and merge_lora.py.
 
 
+LORA_TENSOR_KINDS = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
+
+
+def is_plain_lora(weights: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every module of a state dict is a plain LoRA module (``LORA_TENSOR_KINDS`` only)."""
+    return bool(weights) and all(key.partition(".")[2] in LORA_TENSOR_KINDS for key in weights)
+
+
 def lora_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """Group a kohya LoRA state dict by module: ``{lora_name: {"down", "up", "alpha"?}}`` in file order.
 
-    Raises ``UserError`` naming the module when a down or up weight is missing.
+    Raises ``UserError`` naming the module when a down or up weight is missing, or when a module
+    holds other tensors too (LyCORIS LoCon's Tucker ``lora_mid`` or DoRA ``dora_scale``): the
+    tools built on this would silently drop them.
     """
-    kinds = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in weights.items():
         name, _, kind = key.partition(".")
-        if kind in kinds:
-            modules.setdefault(name, {})[kinds[kind]] = value
+        if kind in LORA_TENSOR_KINDS:
+            modules.setdefault(name, {})[LORA_TENSOR_KINDS[kind]] = value
+    for key in weights:
+        name, _, kind = key.partition(".")
+        if name in modules and kind not in LORA_TENSOR_KINDS:
+            raise UserError(f"LoRA module {name} also holds {kind} (a LyCORIS LoCon with use_tucker/dora_wd?): "
+                            f"only plain LoRA modules (lora_down, lora_up, alpha) are handled here")
     for name, parts in modules.items():
         if "down" not in parts or "up" not in parts:
             missing = "lora_down.weight" if "down" not in parts else "lora_up.weight"

@@ -1,4 +1,4 @@
-"""Merge LoRAs into a checkpoint, or into one LoRA (kohya's flag names; SDXL and SD 1.x/2.x).
+"""Merge network files into a checkpoint, or LoRAs into one LoRA (kohya's flag names; SDXL and SD 1.x/2.x).
 
     # into a model: single file (or diffusers folder) in, original-layout single file out
     python networks/merge_lora.py --sd_model base.safetensors --save_to merged.safetensors \
@@ -7,16 +7,18 @@
     python networks/merge_lora.py --save_to ab.safetensors --models a.safetensors b.safetensors --ratios 1 0.5
 
 Into a model: the base is loaded with ``library.model_loading.load_models`` (SDXL, SD2 or SD1
-detected from the file's keys; ``--v2``/``--sdxl`` for diffusers folders), each LoRA module is
-matched to its diffusers module by the trainers' own key naming (``networks.lora``), and
-``ratio * up @ down * alpha / rank`` is added to that module's weight in float32; the result is
-written with ``save_single_file`` in the original layout. Every key of every LoRA must match a
-module of the model (otherwise: an error naming the key).
+detected from the file's keys; ``--v2``/``--sdxl`` for diffusers folders). Each file may be of
+any type of ``networks.registry`` (LoRA, LoCon, DyLoRA, LoRA-FA, LoHa, LoKr, OFT, LyCORIS; the
+type from its ``ss_network_module``, else its tensor names): its network is rebuilt on the model
+by the trainers' own key naming and every module's merged weight (``W + ratio * delta`` in
+float32; OFT: the rotated ``W``) replaces the wrapped weight, file after file; the result is
+written with ``save_single_file`` in the original layout. Every module of every file must match
+a module of the model (otherwise: an error naming the module).
 
-LoRAs into one LoRA: the down weights are stacked and the up weights concatenated per module
-(kohya's ``--concat``), each pair scaled so the merged module's delta is exactly the sum of the
-``ratio``-weighted deltas; the merged rank is the sum of the ranks, alpha equals the rank
-(scale 1). Modules present in only some LoRAs are kept.
+LoRAs into one LoRA (LoRA-format files only: LoRA, LoCon, DyLoRA, LoRA-FA): the down weights are
+stacked and the up weights concatenated per module (kohya's ``--concat``), each pair scaled so
+the merged module's delta is exactly the sum of the ``ratio``-weighted deltas; the merged rank
+is the sum of the ranks, alpha equals the rank (scale 1). Modules present in only some LoRAs are kept.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E4
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
-from networks.lora import (create_network_from_weights, lora_delta, lora_modules, module_scale,  # noqa: E402
-                           read_lora_file, save_lora_file)
+from networks import registry  # noqa: E402
+from networks.lora import lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
+from networks.network_base import read_lora_metadata  # noqa: E402
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -91,41 +94,28 @@ def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind
     return kind
 
 
-def merge_into_models(models: model_loading.StableDiffusionModels, loras: Sequence[tuple[str, Mapping]],
+def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequence[str],
                       ratios: Sequence[float], flag: str = "--models") -> int:
-    """Add each LoRA's ratio-weighted delta to the matching weights of ``models`` in place.
-    Returns the number of modules changed. UserError (naming ``flag`` and the file) when a LoRA
-    key matches no module."""
+    """Merge each network file, ratio-weighted, into the matching weights of ``models`` in place, in
+    order (any type in ``networks.registry``: the type's own merged weight, e.g. ``W + ratio * delta``
+    for LoRA/LoHa/LoKr, the rotated ``W`` for OFT). Returns the number of modules changed. UserError
+    (naming ``flag`` and the file) when a file does not fit the model."""
     unet_names = checkpoint_keys.unet_module_name_map(models.unet.config) if models.is_sdxl else None
     changed = 0
-    for (path, weights), ratio in zip(loras, ratios):
-        modules = lora_modules(weights)
-        network = create_network_from_weights(1.0, weights, models.text_encoders, models.unet, unet_names)
-        found = {lora.lora_name: lora for lora in network.text_encoder_loras + network.unet_loras}
-        unmatched = sorted(set(modules) - set(found))
-        if unmatched:
-            raise UserError(f"{flag} {path}: {len(unmatched)} LoRA module(s) match nothing in the model "
-                            f"(first: {unmatched[0]}); is it a LoRA for this kind of model ({models.kind})?")
-        with torch.no_grad():
-            for name, parts in modules.items():
-                target = found[name]._org_module[0]
-                delta = lora_delta(parts, torch.float32)
-                if delta.shape != target.weight.shape:
-                    raise UserError(f"{flag} {path}: {name} gives a {tuple(delta.shape)} change for a "
-                                    f"{tuple(target.weight.shape)} weight")
-                target.weight += (ratio * delta).to(target.weight.dtype)
-                changed += 1
+    for path, ratio in zip(paths, ratios):
+        network = registry.network_from_file(path, models.text_encoders, models.unet, unet_names, flag)
+        changed += network.merge_into_model(ratio)
     return changed
 
 
 def merge_base_weights(models: model_loading.StableDiffusionModels, paths: Sequence[str],
                        multipliers: Optional[Sequence[float]]) -> None:
-    """``--base_weights``: merge LoRA files into the frozen models before training (kohya's order:
+    """``--base_weights``: merge network files into the frozen models before training (kohya's order:
     before the trained network is created). A file without a multiplier gets 1.0."""
     multipliers = list(multipliers or [])
     for index, path in enumerate(paths):
         multiplier = multipliers[index] if index < len(multipliers) else 1.0
-        changed = merge_into_models(models, [(path, read_lora_file(path))], [multiplier], flag="--base_weights")
+        changed = merge_into_models(models, [path], [multiplier], flag="--base_weights")
         print(f"merged {path} into the base model ({changed} modules, multiplier {multiplier})")
 
 
@@ -155,10 +145,7 @@ def merge_loras(loras: Sequence[tuple[str, Mapping[str, torch.Tensor]]], ratios:
 
 def lora_output_metadata(paths: Sequence[str], ratios: Sequence[float], merged: Mapping[str, torch.Tensor],
                          no_metadata: bool) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(paths[0], framework="pt", device="cpu") as file:
-        first = dict(file.metadata() or {})
+    first = read_lora_metadata(paths[0])
     ranks = sorted({int(value.shape[0]) for key, value in merged.items() if key.endswith(".lora_down.weight")})
     metadata = {key: value for key, value in first.items()
                 if key in ("ss_base_model_version", "ss_v2", "ss_network_module")}
@@ -178,9 +165,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ratios = resolve_ratios(args.models, args.ratios)
     if not args.save_to.endswith(".safetensors"):
         raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
-    loras = [(path, read_lora_file(path)) for path in args.models]
     save_dtype = SAVE_DTYPES[args.save_precision]
     if args.sd_model is None:
+        loras = [(path, read_lora_file(path)) for path in args.models]
+        for path, weights in loras:
+            registry.require_lora_format(weights, read_lora_metadata(path), f"--models {path}",
+                                         "merging into one LoRA (merge other types into a model with --sd_model)")
         merged = merge_loras(loras, ratios)
         metadata = lora_output_metadata(args.models, ratios, merged, args.no_metadata)
         if save_dtype is not None:
@@ -193,13 +183,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     models = model_loading.load_models(sd_model, sdxl=kind == "sdxl", v2=kind == "sd2",
                                        model_config_dir=args.model_config_dir,
                                        tokenizer_cache_dir=args.tokenizer_cache_dir)
-    changed = merge_into_models(models, loras, ratios)
+    changed = merge_into_models(models, args.models, ratios)
     bad = next((name for name, tensor in checkpoint_files.iter_model_tensors(models)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise UserError(f"the merged model holds NaN/Inf in {bad}; check --models/--ratios")
     checkpoint_files.save_single_file(models, args.save_to, dtype=save_dtype)
-    print(f"saved {args.save_to}: {changed} module weights changed ({kind}, {len(loras)} LoRAs)")
+    print(f"saved {args.save_to}: {changed} module weights changed ({kind}, {len(args.models)} networks)")
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Mapping, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
+from networks import registry  # noqa: E402
 from networks.lora import lora_delta, lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
+from networks.network_base import read_lora_metadata  # noqa: E402
 
 MIN_SINGULAR_VALUE = 1e-6
 """A module whose largest singular value is below this is all zeros: it is written at rank 1."""
@@ -121,11 +122,6 @@ def resize_weights(weights: Mapping[str, torch.Tensor], new_rank: int, *, new_co
     return resized, results
 
 
-def read_metadata(path: str) -> dict[str, str]:
-    with safe_open(path, framework="pt", device="cpu") as file:
-        return dict(file.metadata() or {})
-
-
 def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resize_lora.py", description="Reduce a LoRA's rank by SVD.")
     parser.add_argument("--model", required=True, metavar="IN", help="LoRA .safetensors file to resize")
@@ -171,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = setup_parser().parse_args(argv)
     validate(args)
     weights = read_lora_file(args.model)
-    if not lora_modules(weights):
-        raise UserError(f"--model {args.model}: no LoRA modules found")
+    registry.require_lora_format(weights, read_lora_metadata(args.model), f"--model {args.model}", "resizing")
 
     def report(result: ResizeResult) -> None:
         print(f"{result.name}: rank {result.old_rank} -> {result.new_rank}, "
@@ -183,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       report=report)
     dtype = SAVE_DTYPES[args.save_precision] or torch.float32
     resized = {key: value.to(dtype) if value.is_floating_point() else value for key, value in resized.items()}
-    metadata = read_metadata(args.model)
+    metadata = read_lora_metadata(args.model)
     comment = (f"dynamic resize with {args.dynamic_method}: {args.dynamic_param} from " if args.dynamic_method
                else f"resized to rank {args.new_rank} from ")
     old_dim = metadata.get("ss_network_dim", "?")

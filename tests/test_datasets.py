@@ -96,6 +96,53 @@ def test_bad_images_are_named_before_training_or_skipped(tmp_path, capsys):
     assert batch["images"].shape == (1, 3, 64, 64)
 
 
+def test_truncated_images_are_named_before_training_or_skipped(tmp_path, capsys):
+    """Their headers are intact; only decoding the whole file finds them (JPEGs in draft mode too)."""
+    folder = tmp_path / "data" / "1_thing"
+    write_image(folder / "good.png", (64, 64))
+    for name in ("cut.png", "cut.jpg"):
+        data = (write_image(tmp_path / name, (96, 96))).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 2])
+        assert Image.open(folder / name).size == (96, 96)  # the header still reads
+    with pytest.raises(UserError, match=r"cut\.(jpg|png) cannot be read \(image file is truncated") as error:
+        dataset_from("--train_data_dir", str(tmp_path / "data"), "--resolution", "64")
+    assert "--skip_bad_images" in str(error.value) and "\n" not in str(error.value)
+    dataset = dataset_from("--train_data_dir", str(tmp_path / "data"), "--resolution", "64", "--skip_bad_images")
+    assert "skipping" in capsys.readouterr().out
+    assert [os.path.basename(image.path) for image in dataset.plan.images] == ["good.png"]
+
+
+def test_sixteen_bit_grayscale_png_keeps_its_levels(tmp_path):
+    """PIL opens it as mode I;16 and its convert("RGB") clips at 255: nearly white before the fix."""
+    levels = np.linspace(0, 65535, 256 * 4).round().astype(np.uint16).reshape(4, 256)
+    sixteen = tmp_path / "gray16.png"
+    Image.fromarray(levels).save(sixteen)
+    assert Image.open(sixteen).mode in ("I;16", "I")
+    eight = tmp_path / "gray8.png"
+    Image.fromarray((levels / 257).round().astype(np.uint8), "L").save(eight)
+    assert probe_image(str(sixteen)) == (256, 4)
+    decoded = np.asarray(load_image(str(sixteen))).astype(int)
+    reference = np.asarray(load_image(str(eight))).astype(int)
+    assert decoded.shape == (4, 256, 3) and decoded.min() == 0 and decoded.max() == 255
+    assert len(np.unique(decoded)) == 256
+    assert np.abs(decoded - reference).max() <= 1
+    assert np.asarray(load_image(str(sixteen), keep_alpha=True))[..., 3].min() == 255
+
+
+@pytest.mark.parametrize("repeats", [0, -1])
+def test_num_repeats_below_one_is_named(tmp_path, repeats):
+    write_image(tmp_path / "images" / "a.png", (64, 64))
+    path = write_config(tmp_path, f"[[datasets]]\n[[datasets.subsets]]\nimage_dir = '{tmp_path / 'images'}'\n"
+                                  f"num_repeats = {repeats}\n")
+    with pytest.raises(UserError) as error:
+        dataset_from("--dataset_config", str(path), "--resolution", "64")
+    message = str(error.value)
+    assert f"[[datasets.subsets]] #1 has num_repeats {repeats}" in message and "1 or more" in message
+    write_image(tmp_path / "data" / f"{repeats}_thing" / "a.png", (64, 64))
+    with pytest.raises(UserError, match=f"the repeat count of {repeats}_thing is less than 1.*1 or more"):
+        dataset_from("--train_data_dir", str(tmp_path / "data"), "--resolution", "64")
+
+
 def test_empty_folder_is_ignored_and_a_flat_folder_explained(tmp_path, capsys):
     write_image(tmp_path / "data" / "3_cat" / "a.png", (64, 64))
     (tmp_path / "data" / "5_empty").mkdir()

@@ -303,8 +303,8 @@ def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_datas
         tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", "--unet_lr", "0"), capsys)
     assert "nothing would train" in error
     error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=1,1,1"), capsys)
-    assert "--network_args down_lr_weight: block-wise" in error
+        tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=sinus"), capsys)
+    assert "--network_args down_lr_weight=sinus: give comma-separated numbers or one of cosine" in error
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "ratio", "--network_args", "loraplus_unet_lr_ratio=0"), capsys)
     assert error == "error: --network_args loraplus_unet_lr_ratio=0 must be a positive number"

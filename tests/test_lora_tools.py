@@ -167,3 +167,15 @@ def test_dynamic_resize_file_and_user_errors(trained_lora, tmp_path):
                         (["--dynamic_method", "sv_fro", "--dynamic_param", "2"], "fraction")):
         with pytest.raises(UserError, match=match):
             resize_lora.main(["--model", str(trained_lora), "--save_to", str(tmp_path / "x.safetensors"), *argv])
+
+
+@pytest.mark.parametrize("extra", ["lora_mid.weight", "dora_scale"])
+def test_lora_tools_refuse_modules_with_lycoris_extras(extra):
+    """A LyCORIS LoCon with use_tucker (lora_mid) or dora_wd (dora_scale) has lora_down/lora_up too:
+    resizing or merging it as a plain LoRA would drop those tensors silently."""
+    weights = {"lora_unet_a.lora_down.weight": torch.ones(2, 8), "lora_unet_a.lora_up.weight": torch.ones(8, 2),
+               "lora_unet_a.alpha": torch.tensor(2.0), f"lora_unet_a.{extra}": torch.ones(2, 2)}
+    with pytest.raises(UserError, match=f"lora_unet_a also holds {extra}"):
+        resize_lora.resize_weights(weights, 1)
+    del weights[f"lora_unet_a.{extra}"]
+    assert resize_lora.resize_weights(weights, 1)[0]["lora_unet_a.lora_down.weight"].shape == (1, 8)

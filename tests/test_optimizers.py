@@ -1,17 +1,20 @@
-"""Optimizers and LR schedulers: kohya names, argument parsing, errors, schedule trajectories."""
+"""Optimizers and LR schedulers: kohya names, every optimizer of the kohya_ss GUI, argument parsing, errors,
+schedule trajectories, schedule-free modes."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import logging
 import math
 import sys
-import types
 
 import pytest
 import torch
 import transformers.optimization
+from conftest import model_args, run_trainer
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from library import optimizers
+from library import optimizers, train_state
 from library.errors import UserError
 
 
@@ -125,56 +128,187 @@ def test_per_group_learning_rates_are_kept():
     assert [group["lr"] for group in optimizer.param_groups] == [1e-3, 1e-4]
 
 
-# Optional packages: when absent, a clear install hint; the routing itself is checked with a
-# stand-in module that provides a torch optimizer under the package's class name.
-OPTIONAL = [
-    ("AdamW8bit", "bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
-    ("PagedAdamW8bit", "bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
-    ("Lion8bit", "bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
-    ("SGDNesterov8bit", "bitsandbytes.optim", "SGD8bit", "bitsandbytes"),
-    ("Lion", "lion_pytorch", "Lion", "lion-pytorch"),
-    ("Prodigy", "prodigyopt", "Prodigy", "prodigyopt"),
-    ("DAdaptation", "dadaptation.experimental", "DAdaptAdamPreprint", "dadaptation"),
-    ("DAdaptAdam", "dadaptation", "DAdaptAdam", "dadaptation"),
+# Every entry of the kohya_ss GUI's optimizer dropdown (kohya_gui/class_basic_training.py), with
+# the class path that lands in ss_optimizer. requirements.txt installs all their packages.
+GUI_OPTIMIZERS = [
+    ("AdamW", "torch.optim.adamw.AdamW"),
+    ("AdamWScheduleFree", "schedulefree.adamw_schedulefree.AdamWScheduleFree"),
+    ("AdamW8bit", "bitsandbytes.optim.adamw.AdamW8bit"),
+    ("Adafactor", "transformers.optimization.Adafactor"),
+    ("bitsandbytes.optim.AdEMAMix8bit", "bitsandbytes.optim.ademamix.AdEMAMix8bit"),
+    ("bitsandbytes.optim.PagedAdEMAMix8bit", "bitsandbytes.optim.ademamix.PagedAdEMAMix8bit"),
+    ("DAdaptation", "dadaptation.experimental.dadapt_adam_preprint.DAdaptAdamPreprint"),
+    ("DAdaptAdaGrad", "dadaptation.dadapt_adagrad.DAdaptAdaGrad"),
+    ("DAdaptAdam", "dadaptation.dadapt_adam.DAdaptAdam"),
+    ("DAdaptAdan", "dadaptation.dadapt_adan.DAdaptAdan"),
+    ("DAdaptAdanIP", "dadaptation.experimental.dadapt_adan_ip.DAdaptAdanIP"),
+    ("DAdaptAdamPreprint", "dadaptation.experimental.dadapt_adam_preprint.DAdaptAdamPreprint"),
+    ("DAdaptLion", "dadaptation.dadapt_lion.DAdaptLion"),
+    ("DAdaptSGD", "dadaptation.dadapt_sgd.DAdaptSGD"),
+    ("Lion", "lion_pytorch.lion_pytorch.Lion"),
+    ("Lion8bit", "bitsandbytes.optim.lion.Lion8bit"),
+    ("PagedAdamW8bit", "bitsandbytes.optim.adamw.PagedAdamW8bit"),
+    ("PagedAdamW32bit", "bitsandbytes.optim.adamw.PagedAdamW32bit"),
+    ("PagedLion8bit", "bitsandbytes.optim.lion.PagedLion8bit"),
+    ("Prodigy", "prodigyopt.prodigy.Prodigy"),
+    ("prodigyplus.ProdigyPlusScheduleFree", "prodigyplus.prodigy_plus_schedulefree.ProdigyPlusScheduleFree"),
+    ("pytorch_optimizer.CAME", "pytorch_optimizer.optimizer.came.CAME"),
+    ("RAdamScheduleFree", "schedulefree.radam_schedulefree.RAdamScheduleFree"),
+    ("SGDNesterov", "torch.optim.sgd.SGD"),
+    ("SGDNesterov8bit", "bitsandbytes.optim.sgd.SGD8bit"),
+    ("SGDScheduleFree", "schedulefree.sgd_schedulefree.SGDScheduleFree"),
 ]
+ADAPTIVE_LR = ("DAdapt", "Prodigy", "prodigyplus")  # they expect a learning rate around 1.0
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module.split(".")[0]) is not None
+@pytest.mark.parametrize("entry, class_path", GUI_OPTIMIZERS)
+def test_every_gui_optimizer_takes_real_steps(entry, class_path):
+    args = make_args("--optimizer_type", entry, "--learning_rate", "1.0" if entry.startswith(ADAPTIVE_LR) else "1e-3")
+    optimizers.validate_args(args)
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 128))  # >= 4096 values: bitsandbytes keeps 8-bit state for it
+    bias = torch.nn.Parameter(torch.randn(8))
+    name, _, optimizer = optimizers.build_optimizer(args, [{"params": [weight, bias]}])
+    assert name == class_path
+    scheduler = optimizers.build_lr_scheduler(args, optimizer, 5)
+    start = [weight.detach().clone(), bias.detach().clone()]
+    for _ in range(5):
+        loss = (weight ** 2).sum() + (bias ** 2).sum()  # gradient 2w: every step should pull towards 0
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    optimizers.enter_eval_mode(optimizer)
+    for parameter, before in zip((weight, bias), start):
+        change = parameter.detach() - before
+        assert torch.isfinite(parameter).all() and change.abs().max() > 0
+        assert (change * before).sum() < 0  # moved downhill
+    if entry.endswith("8bit"):
+        assert torch.uint8 in {value.dtype for value in optimizer.state[weight].values() if torch.is_tensor(value)}
 
 
-@pytest.mark.parametrize("name, module, class_name, package", OPTIONAL)
-def test_missing_optional_package_says_what_to_install(name, module, class_name, package):
-    if _installed(module):
-        pytest.skip(f"{package} is installed")
-    with pytest.raises(UserError, match=f"--optimizer_type {name} needs the {package} package: pip install {package}"):
-        optimizers.validate_args(make_args("--optimizer_type", name))
+def uninstall(monkeypatch, package: str) -> None:
+    """Make ``package`` unimportable for this test, as if pip had never installed it."""
+    for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
 
 
-@pytest.mark.parametrize("name, module, class_name, package", OPTIONAL)
-def test_optional_optimizer_routing(monkeypatch, name, module, class_name, package):
-    base = torch.optim.SGD if "SGD" in class_name else torch.optim.AdamW
-    stand_in = type(class_name, (base,), {"__module__": module})
-    fake = types.ModuleType(module)
-    setattr(fake, class_name, stand_in)
-    monkeypatch.setitem(sys.modules, module, fake)
-    optimizer_name, arguments, optimizer = optimizers.build_optimizer(
-        make_args("--optimizer_type", name.lower(), "--learning_rate", "1.0"), params()
-    )
-    assert type(optimizer) is stand_in and optimizer_name == f"{module}.{class_name}"
-    if "SGD" in class_name:
-        assert optimizer.defaults["nesterov"] is True and arguments == "momentum=0.9"
+@pytest.mark.parametrize("entry, package, pip_name", [
+    ("AdamW8bit", "bitsandbytes", "bitsandbytes"),
+    ("bitsandbytes.optim.AdEMAMix8bit", "bitsandbytes", "bitsandbytes"),
+    ("Lion", "lion_pytorch", "lion-pytorch"),
+    ("Prodigy", "prodigyopt", "prodigyopt"),
+    ("DAdaptAdam", "dadaptation", "dadaptation"),
+    ("AdamWScheduleFree", "schedulefree", "schedulefree"),
+    ("prodigyplus.ProdigyPlusScheduleFree", "prodigyplus", "prodigy-plus-schedule-free"),
+    ("pytorch_optimizer.CAME", "pytorch_optimizer", "pytorch-optimizer"),
+])
+def test_missing_optimizer_package_says_what_to_install(monkeypatch, entry, package, pip_name):
+    uninstall(monkeypatch, package)
+    with pytest.raises(UserError) as caught:
+        optimizers.validate_args(make_args("--optimizer_type", entry))
+    assert str(caught.value) == f"--optimizer_type {entry} needs the {pip_name} package: pip install {pip_name}"
 
 
-def test_old_flags_map_to_optimizer_type(monkeypatch):
-    fake = types.ModuleType("lion_pytorch")
-    fake.Lion = type("Lion", (torch.optim.AdamW,), {"__module__": "lion_pytorch"})
-    monkeypatch.setitem(sys.modules, "lion_pytorch", fake)
+def test_old_flags_map_to_optimizer_type():
+    import bitsandbytes
+    import lion_pytorch
+
     assert optimizers.effective_optimizer_type(make_args("--use_lion_optimizer")) == "Lion"
-    assert type(optimizers.build_optimizer(make_args("--use_lion_optimizer"), params())[2]) is fake.Lion
+    assert type(optimizers.build_optimizer(make_args("--use_lion_optimizer"), params())[2]) is lion_pytorch.Lion
     assert optimizers.effective_optimizer_type(make_args("--use_8bit_adam")) == "AdamW8bit"
+    assert type(optimizers.build_optimizer(make_args("--use_8bit_adam"), params())[2]) is bitsandbytes.optim.AdamW8bit
     with pytest.raises(UserError, match="--use_8bit_adam conflicts with --optimizer_type Lion"):
         optimizers.effective_optimizer_type(make_args("--use_8bit_adam", "--optimizer_type", "Lion"))
+
+
+def test_schedule_free_keeps_its_own_schedule(caplog):
+    """As in kohya: the scheduler options are ignored (not refused: the GUI always writes them), said in one line."""
+    args = make_args("--optimizer_type", "AdamWScheduleFree", "--learning_rate", "0.1",
+                     "--lr_scheduler", "cosine", "--lr_warmup_steps", "2")
+    with caplog.at_level(logging.WARNING, logger="library.optimizers"):
+        optimizers.validate_args(args)
+    assert [record.getMessage() for record in caplog.records] == [
+        "--optimizer_type AdamWScheduleFree keeps its own schedule: --lr_scheduler cosine, --lr_warmup_steps 2 "
+        "ignored, as in kohya; for a warmup give --optimizer_args warmup_steps=N"]
+    assert lr_trajectory(args, 4) == [0.1] * 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="library.optimizers"):
+        optimizers.validate_args(make_args("--optimizer_type", "AdamWScheduleFree"))
+    assert not caplog.records  # nothing given, nothing to say
+
+
+def test_schedule_free_modes_move_the_weights_and_back():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = optimizers.build_optimizer(make_args("--optimizer_type", "AdamWScheduleFree", "--learning_rate", "0.1"),
+                                           [weight])[2]
+    assert optimizers.is_schedule_free(type(optimizer))
+    for _ in range(3):
+        weight.grad = torch.ones(3)
+        optimizer.step()
+    training_point = weight.detach().clone()
+    optimizers.enter_eval_mode(optimizer)
+    averaged = weight.detach().clone()
+    assert not torch.allclose(averaged, training_point)
+    optimizers.enter_eval_mode(optimizer)  # already there: nothing moves
+    assert torch.equal(weight.detach(), averaged)
+    with pytest.raises(Exception, match="train mode"):  # schedulefree refuses to step in eval mode
+        optimizer.step()
+    optimizers.enter_train_mode(optimizer)
+    assert torch.allclose(weight.detach(), training_point, atol=1e-6)
+
+    plain = torch.nn.Parameter(torch.ones(3))
+    adamw = optimizers.build_optimizer(make_args(), [plain])[2]
+    assert not optimizers.is_schedule_free(type(adamw))
+    optimizers.enter_eval_mode(adamw)
+    assert torch.equal(plain.detach(), torch.ones(3))
+
+
+# Trainings on the tiny SDXL with the optimizers of the GUI's presets (Prodigy 10, AdamW8bit 7,
+# DAdaptAdam 2 of its 30 LoRA presets), as the GUI sets their learning rates.
+@pytest.mark.parametrize("optimizer_type, learning_rate, class_path", [
+    ("AdamW8bit", "1e-3", "bitsandbytes.optim.adamw.AdamW8bit"),
+    ("Prodigy", "1.0", "prodigyopt.prodigy.Prodigy"),
+    ("DAdaptAdam", "1.0", "dadaptation.dadapt_adam.DAdaptAdam"),
+])
+def test_preset_optimizers_train(optimizer_type, learning_rate, class_path, tiny_models, demo_dataset, tmp_path):
+    run_trainer("sdxl_train_network", tiny_sdxl_args(tiny_models, demo_dataset, tmp_path / "out",
+                                                     "--optimizer_type", optimizer_type, "--learning_rate", learning_rate))
+    with safe_open(str(tmp_path / "out" / "run.safetensors"), "pt") as file:
+        assert file.metadata()["ss_optimizer"] == class_path
+        ups = [file.get_tensor(key) for key in file.keys() if key.endswith("lora_up.weight")]
+    assert all(torch.isfinite(up).all() for up in ups) and any(up.abs().max() > 0 for up in ups)  # trained from 0
+
+
+def test_schedule_free_files_hold_the_averaged_weights_and_resume_exactly(tiny_models, demo_dataset, tmp_path):
+    schedule_free = ("--optimizer_type", "AdamWScheduleFree", "--learning_rate", "1e-2", "--save_state",
+                     "--save_every_n_steps", "2", "--save_state_on_train_end", "--max_train_steps", "4")
+    reference = tmp_path / "reference"
+    run_trainer("sdxl_train_network", tiny_sdxl_args(tiny_models, demo_dataset, reference, *schedule_free))
+    final_state = reference / train_state.final_state_name("run")
+    components = torch.load(final_state / "components.pt", weights_only=False)
+    assert components["optimizer"]["param_groups"][0]["train_mode"] is False  # state written in eval mode ...
+    assert_same_tensors(reference / "run.safetensors", final_state / "lora.safetensors")  # ... and the file too
+
+    resumed = tmp_path / "resumed"
+    run_trainer("sdxl_train_network", tiny_sdxl_args(tiny_models, demo_dataset, resumed, *schedule_free, "--resume",
+                                                     str(reference / train_state.step_state_name("run", 2))))
+    assert_same_tensors(reference / "run.safetensors", resumed / "run.safetensors")
+
+
+def tiny_sdxl_args(tiny_models, dataset, output_dir, *extra: str) -> list[str]:
+    return model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--output_name", "run", "--seed", "1", "--max_data_loader_n_workers", "0",
+        "--network_train_unet_only", "--max_train_steps", "2", *extra,
+    ]
+
+
+def assert_same_tensors(expected_file, actual_file) -> None:
+    expected, actual = load_file(str(expected_file)), load_file(str(actual_file))
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
 
 
 def test_unknown_optimizer_names_list_valid_ones():

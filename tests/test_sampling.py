@@ -44,7 +44,7 @@ def test_toml_and_json_prompt_files(tmp_path):
 
 
 @pytest.mark.parametrize("content,suffix,match", [
-    ("a cat --w wide", ".txt", "--w"), ("a cat --ss magic", ".txt", "sampler"), ("", ".txt", "no prompts"),
+    ("a cat --w wide", ".txt", "--w"), ("a cat --ss magic", ".txt", "sampler"),
     ("{", ".json", "JSON"), ("[prompt]\n", ".toml", "subset"), ("a cat", ".yaml", ".txt, .toml or .json"),
 ])
 def test_bad_prompt_files(tmp_path, content, suffix, match):
@@ -52,6 +52,33 @@ def test_bad_prompt_files(tmp_path, content, suffix, match):
     path.write_text(content)
     with pytest.raises(UserError, match=match):
         sampling.load_prompts(path)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".toml", ".json"])
+def test_empty_or_missing_prompt_files_have_no_prompts(tmp_path, suffix):
+    path = tmp_path / f"p{suffix}"
+    assert sampling.load_prompts(path) == []
+    path.write_text("\n  \n")  # the kohya_ss GUI writes "" when its Samples box is empty
+    assert sampling.load_prompts(path) == []
+
+
+@pytest.mark.parametrize("content,schedule,kept,notice", [
+    (None, {}, False, None), ("", {}, False, None), ("a cat --d x", {}, False, "no sample point scheduled"),
+    (None, {"sample_at_first": True}, False, "empty or missing"),
+    ("# only a comment\n", {"sample_every_n_epochs": 1}, False, "empty or missing"),
+    ("a cat", {"sample_every_n_steps": 1}, True, None),
+])
+def test_unused_prompt_file_is_dropped_with_at_most_one_line(tmp_path, content, schedule, kept, notice):
+    path = tmp_path / "prompt.txt"
+    if content is not None:
+        path.write_text(content)
+    args = argparse.Namespace(**{"sample_prompts": str(path), "sample_at_first": False, "sample_every_n_steps": None,
+                                 "sample_every_n_epochs": None, "sample_sampler": "ddim", **schedule})
+    sampling.validate_arguments(args)  # unscheduled, the malformed "--d x" is not read
+    lines = []
+    sampling.drop_unused_prompt_file(args, announce=lines.append)
+    assert (args.sample_prompts == str(path)) == kept == sampling.is_scheduled(args)
+    assert len(lines) == (notice is not None) and all(notice in line for line in lines)
 
 
 @pytest.mark.parametrize("sampler", sampling.SAMPLERS)
@@ -78,6 +105,20 @@ def test_schedule_follows_kohya():
     assert [e for e in range(1, 5) if sampling.is_sample_point(args, "epoch", 0, e)] == [2, 4]
     args.sample_prompts = None
     assert not sampling.is_sample_point(args, "epoch", 0, 2)
+
+
+def test_a_prompt_file_broken_during_the_run_skips_that_point(tmp_path, capsys):
+    from accelerate import PartialState
+
+    path = tmp_path / "prompt.txt"
+    args = argparse.Namespace(sample_prompts=str(path), sample_at_first=False, sample_every_n_steps=2,
+                              sample_every_n_epochs=None, sample_sampler="ddim", output_dir=str(tmp_path))
+    for content, said in [("a cat --s many\n", "--s 'many' is not an integer"), ("", "no prompts now")]:
+        path.write_text(content)  # an edit after the start-up check: the run goes on without images
+        written = sampling.sample_images(args, PartialState(), None, None, torch.device("cpu"), when="step", step=2)
+        out = capsys.readouterr().out
+        assert written == [] and said in out and "no sample images at step 2" in out
+    assert not (tmp_path / "sample").exists()
 
 
 def train_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -132,7 +173,7 @@ def test_epoch_sampling_names_and_bad_prompt_file(tiny_models, demo_dataset, tmp
     bad.write_text("a cat --s many\n")
     with pytest.raises(UserError, match="--sample_prompts"):
         run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, tmp_path / "bad",
-                                                     "--sample_prompts", str(bad)))
+                                                     "--sample_prompts", str(bad), "--sample_at_first"))
 
 
 def test_sample_images_reach_the_trackers(tiny_models, demo_dataset, tmp_path):

@@ -2,7 +2,9 @@
 
     python tools/show_metadata.py FILE [--tensors] [--raw]
 
-Only the header is read (no tensor data), so it is instant on a 7 GB checkpoint.
+Only the header is read (no tensor data), so it is instant on a 7 GB checkpoint. For a network
+file of any type (LoRA, LoCon, DyLoRA, LoRA-FA, LoHa, LoKr, OFT, LyCORIS) a ``network`` entry gives
+its type, module count and per-module tensor names.
 Values that hold JSON themselves (kohya's ``ss_network_args``, ``ss_dataset_dirs``,
 ``ss_tag_frequency``, ``ss_datasets`` ...) are parsed, so the output nests instead of
 showing escaped strings; ``--raw`` prints the strings as stored. ``--tensors`` adds each
@@ -64,14 +66,34 @@ def expand_json_strings(value: Any) -> Any:
     return value
 
 
+def network_summary(tensor_names: Sequence[str], metadata: dict[str, str]) -> dict[str, Any] | None:
+    """For a network file (any type of ``networks.registry``): its type (``ss_network_module`` or
+    recognised from the tensor names), module count and per-module tensor names; None otherwise."""
+    from networks import registry  # imports torch: only for files that may be networks
+
+    suffixes = sorted({name.partition(".")[2] for name in tensor_names if "." in name})
+    if not any(name.startswith(("lora_", "oft_")) for name in tensor_names):
+        return None
+    try:
+        network_module = registry.file_network_module(dict.fromkeys(tensor_names), metadata, "")
+    except UserError:
+        return None
+    return {"type": network_module, "modules": len({name.partition(".")[0] for name in tensor_names}),
+            "tensor_names": suffixes}
+
+
 def describe(path: str | Path, *, tensors: bool = False, raw: bool = False) -> dict[str, Any]:
-    """``{"metadata": {...}, "tensor_count": N[, "tensors": {name: "dtype [shape]"}]}`` of a file."""
+    """``{"metadata": {...}, "tensor_count": N[, "network": {...}][, "tensors": {name: "dtype [shape]"}]}``
+    of a file (``network``: see ``network_summary``)."""
     header = read_header(path)
     metadata = header.pop("__metadata__", None) or {}
     result: dict[str, Any] = {
         "metadata": dict(sorted(metadata.items())) if raw else expand_json_strings(dict(sorted(metadata.items()))),
         "tensor_count": len(header),
     }
+    network = network_summary(list(header), metadata)
+    if network is not None:
+        result["network"] = network
     if tensors:
         result["tensors"] = {name: f"{entry.get('dtype')} {entry.get('shape')}" for name, entry in sorted(header.items())}
     return result

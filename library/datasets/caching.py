@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from library import text_encoding
+from library import sampling, text_encoding
 from library.datasets import latents, text_cache
 from library.datasets.dataset import TrainDataset
 
@@ -21,11 +21,11 @@ def cache_before_training(args: argparse.Namespace, dataset: TrainDataset, model
 
     Call after the models are placed on their device. Mutates the datasets (their stores)
     and ``models``: the VAE, and the text encoders when their outputs are cached, are
-    dropped (``models.vae = None``, ``models.text_encoders = []``) unless
-    ``--sample_prompts`` needs them later. The freed memory is returned to the OS, and on
+    dropped (``models.vae = None``, ``models.text_encoders = []``) unless images are sampled
+    later (``sampling.is_scheduled``). The freed memory is returned to the OS, and on
     CUDA the allocator's cache is emptied unless ``--highvram``.
     """
-    keeps_models_for_sampling = bool(getattr(args, "sample_prompts", None))
+    keeps_models_for_sampling = sampling.is_scheduled(args)
     cached = [each for each in (dataset, validation_dataset) if each is not None]
     if args.cache_latents:
         for each in cached:

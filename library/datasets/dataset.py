@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--skip_bad_images", action="store_true",
         help="skip unreadable or empty image files with a warning instead of stopping before training")
     add("--cache_latents", action="store_true", help="encode every image with the VAE once, before training "
-        "(refuses color_aug and random_crop; frees the VAE unless --sample_prompts is given)")
+        "(refuses color_aug and random_crop; frees the VAE unless images are sampled)")
     add("--cache_latents_to_disk", action="store_true",
         help="keep the latents in <image>_<W>x<H>_sdxl.npz beside each image (implies --cache_latents)")
     add("--vae_batch_size", type=int, default=1, help="images per VAE call while caching latents (default 1)")

@@ -1,9 +1,10 @@
-"""Reading image files the way users' datasets need: EXIF orientation, RGBA, clear errors.
+"""Reading image files the way users' datasets need: EXIF orientation, RGBA, 16-bit, clear errors.
 
-Two entry points: ``probe_image`` reads only the header (size and EXIF orientation)
-so a whole dataset can be checked before training without decoding it, and
-``load_image`` decodes one image upright. Both use the orientation found in the
-header, so the size ``probe_image`` reports is exactly the size ``load_image`` returns.
+Two entry points: ``probe_image`` decodes a file once to check it (a truncated file has an
+intact header and would otherwise fail mid-training) and reports its upright size, so a
+whole dataset is checked before training; ``load_image`` decodes one image upright. Both
+use the orientation found in the header, so the size ``probe_image`` reports is exactly the
+size ``load_image`` returns.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ INTERPOLATIONS = {
 }
 
 
+# PIL's modes of 16-bit grayscale PNGs ("I" in older Pillow versions). PIL's convert("RGB")
+# clips their 0..65535 values at 255, which turns almost every pixel white.
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
 class BadImageError(UserError):
     """An image file that cannot be used (empty, unreadable, truncated); the message names it."""
 
@@ -63,13 +69,21 @@ def _orientation(image: Image.Image) -> int:
 
 
 def probe_image(path: str) -> tuple[int, int]:
-    """Upright (width, height) from the file header; raises BadImageError naming the file."""
+    """Upright (width, height) of a file that decodes completely; raises BadImageError naming the file.
+
+    The whole file is decoded once (a truncated file has an intact header); JPEGs at 1/8 scale
+    through libjpeg's draft mode, which still reads every byte of the compressed data. About
+    10 ms for a 1 megapixel JPEG, 20-40 ms for a PNG.
+    """
     try:
         if os.path.getsize(path) == 0:
             raise BadImageError(f"image {path} is empty (0 bytes); remove or replace it, or pass --skip_bad_images")
         with Image.open(path) as image:
             width, height = image.size
             orientation = _orientation(image)
+            if image.format == "JPEG":
+                image.draft("RGB", (1, 1))
+            image.load()
     except BadImageError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
@@ -96,6 +110,8 @@ def load_image(path: str, keep_alpha: bool = False) -> Image.Image:
         raise BadImageError(f"image {path} cannot be decoded ({error}); remove or replace it") from None
     if orientation in _UPRIGHT:
         image = image.transpose(_UPRIGHT[orientation])
+    if image.mode in _SIXTEEN_BIT_MODES:
+        image = eight_bit_gray(image)
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
         image.mode == "P" and "transparency" in image.info
     )
@@ -106,6 +122,12 @@ def load_image(path: str, keep_alpha: bool = False) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def eight_bit_gray(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (``_SIXTEEN_BIT_MODES``) as 8-bit "L": 0..65535 scaled to 0..255, rounded."""
+    values = np.asarray(image).astype(np.float64)
+    return Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8), "L")
 
 
 def ensure_size(path: str, image: Image.Image, expected_wh: tuple[int, int]) -> None:

@@ -127,6 +127,7 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
     plans: list[DatasetPlan] = []
     images: list[PlannedImage] = []
     sample_images: list[int] = []
+    no_repeats: list[SubsetSpec] = []  # ignored for num_repeats < 1, like kohya
     for dataset_index, spec in enumerate(specs):
         rule = _bucket_rule(spec, min_bucket_steps)
         plan = DatasetPlan(spec, min_bucket_reso=rule.min_reso, max_bucket_reso=rule.max_reso)
@@ -138,6 +139,7 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
             if subset.num_repeats < 1:
                 if not validation:
                     print(f"{subset.where}: ignoring the subset, num_repeats {subset.num_repeats} is less than 1")
+                    no_repeats.append(subset)
                 continue
             # Probed before the split, so the split is over usable images whatever --skip_bad_images drops.
             records = _probe_sizes(list_subset_images(subset, subset_index), subset, skip_bad_images)
@@ -185,6 +187,13 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
             print(bucket_rules.summarize(counts, aspect_errors, spec.where + (" (validation)" if validation else "")))
     if validation:
         return Plan(plans, images, sample_images)
+    if not sample_images and no_repeats:
+        raise UserError(
+            f"no images to train on: {no_repeats[0].where} has num_repeats {no_repeats[0].num_repeats}, which "
+            f"ignores the subset (as in kohya)"
+            + (f", like {len(no_repeats) - 1} other subset(s)" if len(no_repeats) > 1 else "")
+            + "; num_repeats must be 1 or more"
+        )
     if not sample_images:
         raise UserError(
             "no images to train on: check --train_data_dir (the parent of folders like 10_sks dog) "

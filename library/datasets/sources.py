@@ -43,7 +43,7 @@ def dreambooth_subsets_from_folders(train_data_dir: Optional[str], reg_data_dir:
             continue
         if not os.path.isdir(base):
             raise UserError(f"{flag} {base} is not a folder")
-        found = []
+        found, no_repeats = [], []
         for name in sorted(os.listdir(base)):
             folder = os.path.join(base, name)
             if not os.path.isdir(folder):
@@ -56,9 +56,13 @@ def dreambooth_subsets_from_folders(train_data_dir: Optional[str], reg_data_dir:
                 continue
             if num_repeats < 1:
                 print(f"ignoring {folder}: the repeat count {num_repeats} is less than 1")
+                no_repeats.append(name)
                 continue
             found.append({"image_dir": folder, "num_repeats": num_repeats, "is_reg": is_reg,
                           "class_tokens": class_tokens})
+        if not found and no_repeats:
+            raise UserError(f"{flag} {base}: the repeat count of {no_repeats[0]} is less than 1, so it is ignored "
+                            f"(as in kohya); the count before _ must be 1 or more (e.g. 10_sks dog)")
         if not found:
             has_images = any(is_image_file(name) for name in os.listdir(base))
             hint = " (it holds images directly: move them into a subfolder such as 10_sks dog)" if has_images else ""

@@ -1,0 +1,213 @@
+"""kohya's ``--fp8_base`` / ``--fp8_base_unet``: frozen base weights stored in float8, computed in the autocast dtype.
+
+What is stored as ``torch.float8_e4m3fn``: the weight of every Linear and Conv2d layer of the
+UNet and, with ``--fp8_base`` (not ``--fp8_base_unet``, which wins when both are given, as in
+kohya), of the text encoders: over 99% of their parameters, in a quarter of their float32 size.
+Biases, norm layers and embeddings stay in the compute dtype: each of their values reaches the
+output as stored instead of being summed over in a matmul, so float8's 3-bit mantissa would
+shift outputs directly (diffusers' layerwise casting skips norms by default, kohya keeps the text
+encoders' embeddings). The VAE is never stored in float8 (kohya). The LoRA is not touched: its
+weights stay float32 (or fp16/bf16 with ``--full_fp16``/``--full_bf16``).
+
+The cast is plain, as kohya's (no per-channel scale): a stored weight holds the frozen weight's
+value, which networks that read it (OFT's rotation, merging) rely on. Weights below 2^-6 then
+lose precision in float8's subnormal range; README's full-size figures show what that costs.
+
+The text encoders stay in the compute dtype when their outputs are cached
+(``--cache_text_encoder_outputs``): they then run before training only, and the cache is the
+same as without fp8 (kohya moves them to the CPU after caching and never casts them).
+
+Each stored layer's ``forward`` is replaced, before the network wraps the layer, by an autograd
+function that upcasts the weight to the compute dtype for that call only. It saves the float8
+weight for backward, not the upcast copy, and upcasts again there: no upcast copy outlives a
+layer call, with or without gradient checkpointing. (kohya leaves the upcast to autocast, whose
+copies are kept for backward; without checkpointing that holds a compute-dtype copy of every
+weight until the backward pass.)
+
+diffusers' ``apply_layerwise_casting`` is not used: its hook casts the layer's parameters in
+place (``module.to(compute)`` before forward, back to storage after). Autograd may have saved the
+parameter itself (a convolution saves its weight), so the backward then finds float8 data:
+fp16 training through a Conv2d fails with "expected scalar type Half but found Float8_e4m3fn".
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from library.errors import UserError
+
+if TYPE_CHECKING:
+    from library.model_loading import StableDiffusionModels, StoredDtype
+
+FLOAT8 = torch.float8_e4m3fn
+TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2")  # model_loading's component names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register kohya's ``--fp8_base`` and ``--fp8_base_unet``."""
+    group = parser.add_argument_group("fp8 base weights")
+    group.add_argument("--fp8_base", action="store_true",
+                       help="store the frozen UNet's and text encoders' Linear/Conv2d weights as float8 (e4m3fn), "
+                            "upcast layer by layer to the --mixed_precision dtype (needs fp16 or bf16): half the "
+                            "memory of fp16 weights, slightly less precise outputs. Biases, norms, embeddings, the "
+                            "VAE and the LoRA keep their dtype, and so do text encoders whose outputs are cached "
+                            "(--cache_text_encoder_outputs). Default: off")
+    group.add_argument("--fp8_base_unet", action="store_true",
+                       help="like --fp8_base but for the UNet only (the text encoders stay fp16/bf16). Default: off")
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    """float8 weights are computed in the autocast dtype, so there must be one; and the network must
+    leave the frozen weights alone (LyCORIS outside bypass mode adds its change to them)."""
+    for flag in ("fp8_base", "fp8_base_unet"):
+        if not getattr(args, flag):
+            continue
+        if args.mixed_precision not in ("fp16", "bf16"):
+            raise UserError(f"--{flag} needs --mixed_precision fp16 or bf16 (got {args.mixed_precision}): "
+                            f"the float8 weights are computed in that dtype")
+        if args.network_module == "lycoris.kohya":
+            from networks import lycoris_kohya, network_base
+
+            options = lycoris_kohya.read_options(network_base.parse_network_args(args.network_args))
+            # glora computes its change beside the layer; the others, outside bypass mode, add it
+            # to the layer's weight, and float8 tensors cannot be added to (as with kohya's fp8).
+            if options.algo != "glora" and not options.flag("bypass_mode"):
+                hint = "train without it (algo=full has no bypass mode)" if options.algo == "full" else \
+                    "add --network_args bypass_mode=True"
+                raise UserError(f"--{flag} with --network_module lycoris.kohya algo={options.algo}: LyCORIS would "
+                                f"add its change to the float8 weights, which float8 cannot compute; {hint}")
+
+
+def float8_components(args: argparse.Namespace) -> frozenset[str]:
+    """The model components (``unet``, ``text_encoder``, ``text_encoder_2``) whose layers are stored in float8."""
+    if not (args.fp8_base or args.fp8_base_unet):
+        return frozenset()
+    if args.fp8_base_unet or getattr(args, "cache_text_encoder_outputs", False):
+        return frozenset({"unet"})
+    return frozenset({"unet", *TEXT_ENCODER_COMPONENTS})
+
+
+def is_stored_in_float8(module: torch.nn.Module, attribute: str) -> bool:
+    """Whether ``module.<attribute>`` is a weight stored in float8 when its model is (see
+    :func:`float8_components`). Only plain Linear and Conv2d layers: a subclass may use its weight
+    outside ``forward`` (``nn.MultiheadAttention`` reads its ``out_proj`` weight directly), and
+    convolutions with a padding mode or a string padding (none in SD models) keep their dtype."""
+    if attribute != "weight":
+        return False
+    if type(module) is torch.nn.Linear:
+        return True
+    return type(module) is torch.nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def stored_dtype_rule(args: argparse.Namespace) -> Optional[StoredDtype]:
+    """``model_loading.load_models``' ``stored_dtype``: float8 weights straight from the file, so their
+    float32 copy never exists. ``None`` without fp8, and with ``--base_weights``: those LoRAs are
+    merged into float32 weights first (kohya's order), then :func:`store_frozen_weights` casts."""
+    components = float8_components(args)
+    if not components or args.base_weights:
+        return None
+
+    def rule(component: str, module: torch.nn.Module, attribute: str) -> Optional[torch.dtype]:
+        return FLOAT8 if component in components and is_stored_in_float8(module, attribute) else None
+
+    return rule
+
+
+def store_frozen_weights(args: argparse.Namespace, models: StableDiffusionModels, compute_dtype: torch.dtype) -> None:
+    """Apply ``--fp8_base``/``--fp8_base_unet`` to ``models`` (in place; nothing without them): see
+    :func:`store_in_float8`. Call after ``--base_weights`` are merged and before the network is
+    applied. Prints one line."""
+    components = float8_components(args)
+    if not components:
+        return
+    parts = {"unet": models.unet, **dict(zip(TEXT_ENCODER_COMPONENTS, models.text_encoders))}
+    layers = {name: store_in_float8(model, compute_dtype) for name, model in parts.items() if name in components}
+    stored_gib = sum(p.numel() for name in layers for p in parts[name].parameters() if p.dtype == FLOAT8) / 2**30
+    text_layers = sum(count for name, count in layers.items() if name != "unet")
+    text = f" and {text_layers} text encoder layers" if text_layers else ""
+    flag = "--fp8_base_unet" if args.fp8_base_unet else "--fp8_base"
+    print(f"{flag}: {layers['unet']} UNet layers{text} keep their weights in float8_e4m3fn ({stored_gib:.2f} GiB), "
+          f"computed in {str(compute_dtype).removeprefix('torch.')}")
+
+
+def store_in_float8(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+    """Cast the weight of every Linear/Conv2d of ``model`` (see :func:`is_stored_in_float8`) to float8,
+    freeze the layer, and route its forward through an upcast to ``compute_dtype``; returns the
+    number of layers. Weights already in float8 (loaded so) are not cast again. Must run before a
+    network wraps the layers (the network's forward calls the layer's forward it found)."""
+    count = 0
+    for name, layer in model.named_modules():
+        if not is_stored_in_float8(layer, "weight"):
+            continue
+        if "forward" in vars(layer):
+            raise RuntimeError(f"{name}: forward already replaced (a network applied before float8 storage?)")
+        layer.requires_grad_(False)
+        if layer.weight.dtype != FLOAT8:
+            layer.weight = torch.nn.Parameter(layer.weight.detach().to(FLOAT8), requires_grad=False)
+        layer.forward = _upcasting_forward(layer, compute_dtype)
+        count += 1
+    return count
+
+
+def move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``Module.to(device, dtype)`` except that float8 tensors keep their dtype (they are only moved).
+    Also avoids diffusers' ``to`` override, which warns on every cast."""
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        keep_dtype = tensor.dtype == FLOAT8 or not tensor.is_floating_point()
+        return tensor.to(device) if keep_dtype else tensor.to(device, dtype)
+
+    model._apply(convert)
+
+
+def _upcasting_forward(layer: torch.nn.Module, compute_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    # The parameters are looked up at each call: moving the model to a device may replace them.
+    if isinstance(layer, torch.nn.Linear):
+        return lambda x: _Float8Linear.apply(x, layer.weight, layer.bias, compute_dtype)
+    return lambda x: _Float8Conv2d.apply(x, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation,
+                                         layer.groups, compute_dtype)
+
+
+def _cast(tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.to(dtype)
+
+
+class _Float8Linear(torch.autograd.Function):
+    """``linear(x, weight, bias)`` in ``compute_dtype`` with a frozen float8 weight; gradient for ``x`` only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, compute_dtype):
+        ctx.save_for_backward(weight)
+        ctx.compute_dtype, ctx.input_dtype = compute_dtype, x.dtype
+        return F.linear(x.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.to(ctx.compute_dtype) @ weight.to(ctx.compute_dtype)
+        return grad_input.to(ctx.input_dtype), None, None, None
+
+
+class _Float8Conv2d(torch.autograd.Function):
+    """``conv2d(x, weight, bias, ...)`` in ``compute_dtype`` with a frozen float8 weight; gradient for ``x`` only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, compute_dtype):
+        ctx.save_for_backward(weight)
+        ctx.compute_dtype, ctx.input_dtype, ctx.input_shape = compute_dtype, x.dtype, x.shape
+        ctx.geometry = (stride, padding, dilation, groups)
+        return F.conv2d(x.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype),
+                        stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 8
+        (weight,) = ctx.saved_tensors
+        grad_input = torch.nn.grad.conv2d_input(ctx.input_shape, weight.to(ctx.compute_dtype),
+                                                grad_output.to(ctx.compute_dtype), *ctx.geometry)
+        return (grad_input.to(ctx.input_dtype),) + (None,) * 7
