@@ -222,7 +222,7 @@ class NetworkTrainer:
             tokenizer_cache_dir=args.tokenizer_cache_dir,
             vae_path=args.vae,
             device=model_loading.load_device(args),
-            stored_dtype=fp8_base.stored_dtype_rule(args),
+            stored_as=fp8_base.stored_as_rule(args),
         )
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
@@ -511,7 +511,7 @@ class NetworkTrainer:
             epoch = progress_state.epoch - (1 if progress_state.batches_done == 0 else 0)
             saved = writer.write(network, lora_files.final_file_name(args.output_name),
                                  progress_state.global_step, epoch)
-            if args.save_state_on_train_end:
+            if args.save_state or args.save_state_on_train_end:  # kohya: --save_state also saves the last state
                 save_state(train_state.final_state_name(args.output_name))
             if saved is None:
                 sys.exit(1)

@@ -23,23 +23,26 @@ sys.path.insert(0, REPO)
 from library import checkpoint_keys  # noqa: E402
 from networks import network_base, registry  # noqa: E402
 
-# type -> (--network_alpha, --network_args)
+# label -> (--network_module, --network_alpha, --network_args); lycoris.kohya as the GUI's LyCORIS types write it
 TYPES = {
-    "networks.lora": (1.0, ["conv_dim=RANK", "conv_alpha=1"]),
-    "networks.dylora": (1.0, ["conv_dim=RANK", "unit=1"]),
-    "networks.lora_fa": (1.0, ["conv_dim=RANK", "conv_alpha=1"]),
-    "networks.loha": (1.0, ["conv_dim=RANK", "conv_alpha=1"]),
-    "networks.lokr": (1.0, ["conv_dim=RANK", "conv_alpha=1"]),
-    "networks.oft": (0.01, ["enable_conv=True"]),
+    "networks.lora": ("networks.lora", 1.0, ["conv_dim=RANK", "conv_alpha=1"]),
+    "networks.dylora": ("networks.dylora", 1.0, ["conv_dim=RANK", "unit=1"]),
+    "networks.lora_fa": ("networks.lora_fa", 1.0, ["conv_dim=RANK", "conv_alpha=1"]),
+    "networks.loha": ("networks.loha", 1.0, ["conv_dim=RANK", "conv_alpha=1"]),
+    "networks.lokr": ("networks.lokr", 1.0, ["conv_dim=RANK", "conv_alpha=1"]),
+    "networks.oft": ("networks.oft", 0.01, ["enable_conv=True"]),
+    **{f"lycoris {algo}": ("lycoris.kohya", 1.0, [f"algo={algo}", "conv_dim=RANK", "conv_alpha=1", *extra])
+       for algo, extra in (("locon", []), ("loha", []), ("lokr", ["factor=-1"]), ("ia3", []), ("glora", []),
+                           ("dylora", ["block_size=1"]), ("diag-oft", []), ("boft", []), ("full", []))},
 }
 
 
-def build(name: str, models, rank: int) -> tuple[network_base.AdapterNetwork, torch.optim.Optimizer]:
-    alpha, args = TYPES[name]
+def build(label: str, models, rank: int) -> tuple[network_base.AdapterNetwork, torch.optim.Optimizer]:
+    module, alpha, args = TYPES[label]
     network_args = network_base.parse_network_args([arg.replace("RANK", str(rank)) for arg in args])
     names = checkpoint_keys.unet_module_name_map(models.unet.config)
-    network = registry.network_type(name).create_network(1.0, rank, alpha, None, models.text_encoders, models.unet,
-                                                         unet_module_names=names, **network_args)
+    network = registry.network_type(module).create_network(1.0, rank, alpha, None, models.text_encoders, models.unet,
+                                                           unet_module_names=names, **network_args)
     optimizer = torch.optim.AdamW(network.prepare_optimizer_params(None, None, 1e-4))
     return network, optimizer
 

@@ -9,9 +9,13 @@ shift outputs directly (diffusers' layerwise casting skips norms by default, koh
 encoders' embeddings). The VAE is never stored in float8 (kohya). The LoRA is not touched: its
 weights stay float32 (or fp16/bf16 with ``--full_fp16``/``--full_bf16``).
 
-The cast is plain, as kohya's (no per-channel scale): a stored weight holds the frozen weight's
-value, which networks that read it (OFT's rotation, merging) rely on. Weights below 2^-6 then
-lose precision in float8's subnormal range; README's full-size figures show what that costs.
+Each stored weight has a per-tensor float32 scale (``amax / 448``, float8's largest value; 1
+for an all-zero weight): float8 holds ``weight / scale``, so the largest value lands at the top
+of float8's range and every value keeps float8's 3-bit mantissa unless it is over 2^-9 times
+smaller than the largest (kohya casts plainly; then weights below 2^-6, common in SD layers,
+fall into float8's subnormal range and keep 1-2 bits). The scale is a Python float on the layer
+(``float8_scale``), so nothing casts or moves it. Code that reads a frozen weight's value (OFT's
+rotation, merging) reads it through :func:`frozen_weight`.
 
 The text encoders stay in the compute dtype when their outputs are cached
 (``--cache_text_encoder_outputs``): they then run before training only, and the cache is the
@@ -32,6 +36,7 @@ fp16 training through a Conv2d fails with "expected scalar type Half but found F
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -40,9 +45,11 @@ import torch.nn.functional as F
 from library.errors import UserError
 
 if TYPE_CHECKING:
-    from library.model_loading import StableDiffusionModels, StoredDtype
+    from library.model_loading import StableDiffusionModels, StoredAs
 
 FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
+_QUANTIZE_CHUNK = 2**20  # elements converted at a time (a 4 MiB float32 temporary)
 TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2")  # model_loading's component names
 
 
@@ -61,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_arguments(args: argparse.Namespace) -> None:
     """float8 weights are computed in the autocast dtype, so there must be one; and the network must
-    leave the frozen weights alone (LyCORIS outside bypass mode adds its change to them)."""
+    not read the frozen weights raw (LyCORIS outside bypass mode does)."""
     for flag in ("fp8_base", "fp8_base_unet"):
         if not getattr(args, flag):
             continue
@@ -72,13 +79,13 @@ def validate_arguments(args: argparse.Namespace) -> None:
             from networks import lycoris_kohya, network_base
 
             options = lycoris_kohya.read_options(network_base.parse_network_args(args.network_args))
-            # glora computes its change beside the layer; the others, outside bypass mode, add it
-            # to the layer's weight, and float8 tensors cannot be added to (as with kohya's fp8).
-            if options.algo != "glora" and not options.flag("bypass_mode"):
+            # Outside bypass mode LyCORIS reads the layer's raw weight (glora builds its change
+            # from it, the others add their change to it): it would find the scaled float8 values.
+            if not options.flag("bypass_mode"):
                 hint = "train without it (algo=full has no bypass mode)" if options.algo == "full" else \
                     "add --network_args bypass_mode=True"
                 raise UserError(f"--{flag} with --network_module lycoris.kohya algo={options.algo}: LyCORIS would "
-                                f"add its change to the float8 weights, which float8 cannot compute; {hint}")
+                                f"compute with the raw scaled float8 weights; {hint}")
 
 
 def float8_components(args: argparse.Namespace) -> frozenset[str]:
@@ -102,16 +109,19 @@ def is_stored_in_float8(module: torch.nn.Module, attribute: str) -> bool:
     return type(module) is torch.nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
-def stored_dtype_rule(args: argparse.Namespace) -> Optional[StoredDtype]:
-    """``model_loading.load_models``' ``stored_dtype``: float8 weights straight from the file, so their
-    float32 copy never exists. ``None`` without fp8, and with ``--base_weights``: those LoRAs are
-    merged into float32 weights first (kohya's order), then :func:`store_frozen_weights` casts."""
+def stored_as_rule(args: argparse.Namespace) -> Optional[StoredAs]:
+    """``model_loading.load_models``' ``stored_as``: scaled float8 weights straight from the file, so
+    their float32 copy never exists. ``None`` without fp8, and with ``--base_weights``: those LoRAs
+    are merged into float32 weights first (kohya's order), then :func:`store_frozen_weights` casts."""
     components = float8_components(args)
     if not components or args.base_weights:
         return None
 
-    def rule(component: str, module: torch.nn.Module, attribute: str) -> Optional[torch.dtype]:
-        return FLOAT8 if component in components and is_stored_in_float8(module, attribute) else None
+    def rule(component: str, module: torch.nn.Module, attribute: str
+             ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        if component in components and is_stored_in_float8(module, attribute):
+            return lambda value: _quantize(module, value)
+        return None
 
     return rule
 
@@ -134,8 +144,8 @@ def store_frozen_weights(args: argparse.Namespace, models: StableDiffusionModels
 
 
 def store_in_float8(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
-    """Cast the weight of every Linear/Conv2d of ``model`` (see :func:`is_stored_in_float8`) to float8,
-    freeze the layer, and route its forward through an upcast to ``compute_dtype``; returns the
+    """Store the weight of every Linear/Conv2d of ``model`` (see :func:`is_stored_in_float8`) as scaled
+    float8, freeze the layer, and route its forward through an upcast to ``compute_dtype``; returns the
     number of layers. Weights already in float8 (loaded so) are not cast again. Must run before a
     network wraps the layers (the network's forward calls the layer's forward it found)."""
     count = 0
@@ -146,10 +156,42 @@ def store_in_float8(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
             raise RuntimeError(f"{name}: forward already replaced (a network applied before float8 storage?)")
         layer.requires_grad_(False)
         if layer.weight.dtype != FLOAT8:
-            layer.weight = torch.nn.Parameter(layer.weight.detach().to(FLOAT8), requires_grad=False)
+            layer.weight = torch.nn.Parameter(_quantize(layer, layer.weight.detach()), requires_grad=False)
         layer.forward = _upcasting_forward(layer, compute_dtype)
         count += 1
     return count
+
+
+def frozen_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The value of ``layer.weight`` in ``dtype``: a float8 weight times its scale, any other weight cast."""
+    weight = layer.weight
+    return _dequantize(weight, layer.float8_scale, dtype) if weight.dtype == FLOAT8 else weight.to(dtype)
+
+
+def _quantize(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (on its device) as float8 of ``weight / scale``; records the scale on ``layer``."""
+    weight = weight.detach()
+    # The infinity norm, not abs().amax(): no temporary copy (the loader's peak memory).
+    amax = torch.linalg.vector_norm(weight, ord=math.inf, dtype=torch.float32)
+    scale = float(amax / FLOAT8_MAX)  # a float32 value
+    if not (0 < scale < math.inf):  # all zero (or non-finite: float8 cannot hold it either way)
+        scale = 1.0
+    layer.float8_scale = scale
+    # The result first, then float32 temporaries of a fixed size: whole-tensor temporaries between
+    # the kept float8 tensors fragment the heap (SDXL's load peak: +1.5 GiB, measured). Clamped:
+    # float32 rounding may put the largest value a hair above 448, which float8 makes NaN.
+    stored = torch.empty(weight.shape, dtype=FLOAT8, device=weight.device)
+    source, target = weight.reshape(-1), stored.view(-1)
+    for start in range(0, source.numel(), _QUANTIZE_CHUNK):
+        part = slice(start, start + _QUANTIZE_CHUNK)
+        target[part] = source[part].float().div_(scale).clamp_(-FLOAT8_MAX, FLOAT8_MAX)
+    return stored
+
+
+def _dequantize(weight: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    # One copy in dtype, scaled in place (float8 values are exact in fp16/bf16; the product is
+    # rounded once).
+    return weight.to(dtype).mul_(scale)
 
 
 def move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -165,9 +207,9 @@ def move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> No
 def _upcasting_forward(layer: torch.nn.Module, compute_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     # The parameters are looked up at each call: moving the model to a device may replace them.
     if isinstance(layer, torch.nn.Linear):
-        return lambda x: _Float8Linear.apply(x, layer.weight, layer.bias, compute_dtype)
-    return lambda x: _Float8Conv2d.apply(x, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation,
-                                         layer.groups, compute_dtype)
+        return lambda x: _Float8Linear.apply(x, layer.weight, layer.float8_scale, layer.bias, compute_dtype)
+    return lambda x: _Float8Conv2d.apply(x, layer.weight, layer.float8_scale, layer.bias, layer.stride, layer.padding,
+                                         layer.dilation, layer.groups, compute_dtype)
 
 
 def _cast(tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -175,39 +217,40 @@ def _cast(tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.
 
 
 class _Float8Linear(torch.autograd.Function):
-    """``linear(x, weight, bias)`` in ``compute_dtype`` with a frozen float8 weight; gradient for ``x`` only."""
+    """``linear(x, weight * scale, bias)`` in ``compute_dtype`` with a frozen float8 weight; gradient for ``x`` only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, compute_dtype):
+    def forward(ctx, x, weight, scale, bias, compute_dtype):
         ctx.save_for_backward(weight)
-        ctx.compute_dtype, ctx.input_dtype = compute_dtype, x.dtype
-        return F.linear(x.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype))
+        ctx.scale, ctx.compute_dtype, ctx.input_dtype = scale, compute_dtype, x.dtype
+        return F.linear(x.to(compute_dtype), _dequantize(weight, scale, compute_dtype), _cast(bias, compute_dtype))
 
     @staticmethod
     def backward(ctx, grad_output):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return (None,) * 5
         (weight,) = ctx.saved_tensors
-        grad_input = grad_output.to(ctx.compute_dtype) @ weight.to(ctx.compute_dtype)
-        return grad_input.to(ctx.input_dtype), None, None, None
+        grad_input = grad_output.to(ctx.compute_dtype) @ _dequantize(weight, ctx.scale, ctx.compute_dtype)
+        return (grad_input.to(ctx.input_dtype),) + (None,) * 4
 
 
 class _Float8Conv2d(torch.autograd.Function):
-    """``conv2d(x, weight, bias, ...)`` in ``compute_dtype`` with a frozen float8 weight; gradient for ``x`` only."""
+    """``conv2d(x, weight * scale, bias, ...)`` in ``compute_dtype`` with a frozen float8 weight; gradient for
+    ``x`` only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, compute_dtype):
+    def forward(ctx, x, weight, scale, bias, stride, padding, dilation, groups, compute_dtype):
         ctx.save_for_backward(weight)
-        ctx.compute_dtype, ctx.input_dtype, ctx.input_shape = compute_dtype, x.dtype, x.shape
+        ctx.scale, ctx.compute_dtype, ctx.input_dtype, ctx.input_shape = scale, compute_dtype, x.dtype, x.shape
         ctx.geometry = (stride, padding, dilation, groups)
-        return F.conv2d(x.to(compute_dtype), weight.to(compute_dtype), _cast(bias, compute_dtype),
+        return F.conv2d(x.to(compute_dtype), _dequantize(weight, scale, compute_dtype), _cast(bias, compute_dtype),
                         stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad_output):
         if not ctx.needs_input_grad[0]:
-            return (None,) * 8
+            return (None,) * 9
         (weight,) = ctx.saved_tensors
-        grad_input = torch.nn.grad.conv2d_input(ctx.input_shape, weight.to(ctx.compute_dtype),
+        grad_input = torch.nn.grad.conv2d_input(ctx.input_shape, _dequantize(weight, ctx.scale, ctx.compute_dtype),
                                                 grad_output.to(ctx.compute_dtype), *ctx.geometry)
-        return (grad_input.to(ctx.input_dtype),) + (None,) * 7
+        return (grad_input.to(ctx.input_dtype),) + (None,) * 8

@@ -118,11 +118,30 @@ def save_refusal(state: Mapping[str, torch.Tensor], save_dtype: Optional[torch.d
     if save_dtype is None:
         return None
     for key, value in state.items():
+        if key.endswith(".alpha"):  # kept in float32 when out of range (see cast_for_saving)
+            continue
         if value.is_floating_point() and not torch.isfinite(value.to(save_dtype)).all():
             precision = next(name for name, dtype in SAVE_DTYPES.items() if dtype == save_dtype)
             return (f"LoRA module {key.partition('.')[0]} holds values beyond the range of --save_precision "
                     f"{precision} (they would be saved as Inf; the training diverged)")
     return None
+
+
+def cast_for_saving(state: Mapping[str, torch.Tensor], save_dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """``state`` in ``save_dtype``, except an ``alpha`` that the dtype cannot hold, which stays float32.
+
+    A full-rank LoKr's alpha is its --network_dim (the GUI's LoKr presets use 100000, beyond fp16's
+    65504); kohya would write Inf, and Inf/rank breaks readers that use it. It is a constant, not a
+    trained weight, so it keeps its value instead of the file being refused.
+    """
+    if save_dtype is None:
+        return dict(state)
+    cast = {}
+    for key, value in state.items():
+        converted = value.to(save_dtype)
+        keep = key.endswith(".alpha") and value.is_floating_point() and not torch.isfinite(converted).all()
+        cast[key] = value.float() if keep else converted
+    return cast
 
 
 class LoraWriter:
@@ -137,9 +156,10 @@ class LoraWriter:
         """Save ``network`` as ``file_name`` in the output folder; None when refused (see ``save_refusal``),
         in which case nothing is written."""
         path = os.path.join(self.args.output_dir, file_name)
-        state = network.lora_state_dict(self.save_dtype)
+        trained = network.lora_state_dict()
+        state = cast_for_saving(trained, self.save_dtype)
         if find_non_finite(state) is not None:  # say why from the weights as trained: diverged, or overflowed
-            refusal = save_refusal(network.lora_state_dict(), self.save_dtype)
+            refusal = save_refusal(trained, self.save_dtype)
             print(f"\nnot saving {path}: {refusal}; no file written or removed", flush=True)
             return None
         metadata = dict(self.metadata)

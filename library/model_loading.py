@@ -1,7 +1,7 @@
 """Load SDXL / SD1.x / SD2.x from a diffusers folder or a single file.
 
-Everything is loaded in fp32 on the CPU (``stored_dtype`` can keep chosen weights in
-another dtype from the start, see ``load_models``); callers move and cast. A single file
+Everything is loaded in fp32 on the CPU (``stored_as`` can keep chosen weights in
+another form from the start, see ``load_models``); callers move and cast. A single file
 (``.safetensors`` or ``.ckpt``) is read tensor by tensor into models built on
 the meta device, so peak memory is one model plus one tensor, never a second
 copy of the state dict. The architecture comes from ``--model_config_dir`` or
@@ -38,7 +38,8 @@ _VAE_TOP_LEVEL = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
 # (component, owning module, attribute) -> the dtype that parameter is stored in; None: float32.
 # Components are ``checkpoint_keys.checkpoint_key_maps``' names (unet, vae, text_encoder, text_encoder_2).
-StoredDtype = Callable[[str, torch.nn.Module, str], Optional[torch.dtype]]
+# (component, module, attribute) -> None (fp32) or what turns the loaded value into the stored tensor.
+StoredAs = Callable[[str, torch.nn.Module, str], Optional[Callable[[torch.Tensor], torch.Tensor]]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,13 +141,13 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
                 tokenizer_cache_dir: str | os.PathLike | None = None,
                 vae_path: str | os.PathLike | None = None,
                 device: torch.device | str | None = None,
-                stored_dtype: StoredDtype | None = None) -> StableDiffusionModels:
+                stored_as: StoredAs | None = None) -> StableDiffusionModels:
     """Load tokenizers, text encoders, VAE, UNet and scheduler config, fp32 on CPU, in eval mode.
 
     ``device`` (``--lowram``, see ``load_device``): put the weights there instead; a single
     file's tensors go there one at a time, a diffusers folder's components one at a time.
-    ``stored_dtype`` (``library.fp8_base.stored_dtype_rule``): parameters it names a dtype for
-    are kept in that dtype instead of fp32: a single file's tensors are read straight into it
+    ``stored_as`` (``library.fp8_base.stored_as_rule``): parameters it names a conversion for
+    are kept as it returns them instead of fp32: a single file's tensors are read straight into it
     (their fp32 copy never exists), a diffusers folder's components are converted right after
     each one is loaded.
 
@@ -163,14 +164,14 @@ def load_models(path: str | os.PathLike, *, sdxl: bool, v2: bool = False,
     keep_vae = vae_path is None
     if path.is_dir():
         unet, vae, text_encoders, vae_config, scheduler_config = _load_diffusers_folder(path, kind, keep_vae, device,
-                                                                                        stored_dtype)
+                                                                                        stored_as)
         tokenizer_dir: Path | None = path
     else:
         if model_config_dir is not None:
             _check_config_dir(Path(model_config_dir), kind)
         config_dir = Path(model_config_dir) if model_config_dir is not None else shipped_config_dir(kind)
         unet, vae, text_encoders, vae_config = _load_single_file(path, kind, config_dir, keep_vae, device,
-                                                                 stored_dtype)
+                                                                 stored_as)
         scheduler_config = _read_json(config_dir / "scheduler" / "scheduler_config.json", "--model_config_dir")
         tokenizer_dir = Path(model_config_dir) if model_config_dir is not None else None
     if vae is None:
@@ -198,7 +199,7 @@ def _existing_model_path(path: str | os.PathLike | None) -> Path:
 # ---------------------------------------------------------------------------
 
 def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device: torch.device | str | None = None,
-                           stored_dtype: StoredDtype | None = None):
+                           stored_as: StoredAs | None = None):
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -214,7 +215,7 @@ def _load_diffusers_folder(folder: Path, kind: ModelKind, keep_vae: bool, device
             model = cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, variant=variant, **kwargs)
         except (OSError, ValueError, RuntimeError, SafetensorError) as error:
             raise UserError(f"{flag}: cannot load {sub}: {first_line(error)}") from error
-        _convert_stored(model, subfolder, stored_dtype)  # before the next component loads
+        _convert_stored(model, subfolder, stored_as)  # before the next component loads
         return model.to(device) if device is not None else model
 
     unet = load(UNet2DConditionModel, "unet", torch_dtype=torch.float32).eval()
@@ -324,7 +325,7 @@ def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = Tr
 
 
 def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: bool,
-                      device: torch.device | str | None = None, stored_dtype: StoredDtype | None = None):
+                      device: torch.device | str | None = None, stored_as: StoredAs | None = None):
     flag = "--pretrained_model_name_or_path"
     if not path.is_file():
         raise UserError(f"{flag}: {path} is not a file or folder")
@@ -336,15 +337,15 @@ def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: b
         except KeyError as error:
             raise UserError(f"--model_config_dir: the architecture in {config_dir} is not supported: "
                             f"{error}") from error
-        _stream_into(reader, maps, config_hint=f"configs in {config_dir}", device=device, stored_dtype=stored_dtype)
+        _stream_into(reader, maps, config_hint=f"configs in {config_dir}", device=device, stored_as=stored_as)
     return unet, vae, text_encoders, vae_config
 
 
 def _stream_into(reader: CheckpointReader, components: Mapping[str, tuple[torch.nn.Module, KeyMap]],
                  config_hint: str, device: torch.device | str | None = None,
-                 stored_dtype: StoredDtype | None = None) -> None:
+                 stored_as: StoredAs | None = None) -> None:
     """Fill every tensor of each component's (model, key map) from ``reader``, one tensor at a time,
-    fp32 (or ``stored_dtype``'s choice, see ``load_models``) on ``device`` (CPU).
+    fp32 (or as ``stored_as`` converts it, see ``load_models``) on ``device`` (CPU).
 
     All names and shapes are checked before any data is read, so a wrong file
     fails fast. Keys outside every component's prefix are skipped (EMA copies,
@@ -383,12 +384,14 @@ def _stream_into(reader: CheckpointReader, components: Mapping[str, tuple[torch.
     del meta_states
     for key, component, model, rule in plan:
         for name, value in zip(rule.diffusers, rule.to_diffusers(reader.get(key, transient=True))):
-            dtype = torch.float32
-            if stored_dtype is not None:
+            convert = None
+            if stored_as is not None:
                 module_name, _, attribute = name.rpartition(".")
-                dtype = stored_dtype(component, model.get_submodule(module_name), attribute) or dtype
-            # A fresh tensor on the target device, copied (and cast) from the transient read.
-            _assign(model, name, torch.empty(value.shape, dtype=dtype, device=device or "cpu").copy_(value))
+                convert = stored_as(component, model.get_submodule(module_name), attribute)
+            if convert is not None:  # a fresh tensor already
+                _assign(model, name, convert(value).to(device or "cpu"))
+            else:  # a fresh tensor on the target device, copied (and cast) from the transient read
+                _assign(model, name, torch.empty(value.shape, dtype=torch.float32, device=device or "cpu").copy_(value))
     for model, _ in components.values():
         leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if leftovers:  # a rule table gap, not a user mistake
@@ -396,15 +399,15 @@ def _stream_into(reader: CheckpointReader, components: Mapping[str, tuple[torch.
         model.eval()
 
 
-def _convert_stored(model: torch.nn.Module, component: str, stored_dtype: StoredDtype | None) -> None:
-    """Cast, in place, the parameters of a loaded ``component`` that ``stored_dtype`` names a dtype for."""
-    if stored_dtype is None:
+def _convert_stored(model: torch.nn.Module, component: str, stored_as: StoredAs | None) -> None:
+    """Convert, in place, the parameters of a loaded ``component`` that ``stored_as`` names a conversion for."""
+    if stored_as is None:
         return
     for module in model.modules():
         for attribute, parameter in list(module.named_parameters(recurse=False)):
-            dtype = stored_dtype(component, module, attribute)
-            if dtype is not None and parameter.dtype != dtype:
-                setattr(module, attribute, torch.nn.Parameter(parameter.detach().to(dtype),
+            convert = stored_as(component, module, attribute)
+            if convert is not None:
+                setattr(module, attribute, torch.nn.Parameter(convert(parameter.detach()),
                                                               requires_grad=parameter.requires_grad))
 
 

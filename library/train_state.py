@@ -38,9 +38,10 @@ STATE_SUFFIX = "-state"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save_state", action="store_true",
-                        help="write a training state folder at every save point (for --resume)")
+                        help="write a training state folder at every save point and when training ends (for --resume)")
     parser.add_argument("--save_state_on_train_end", action="store_true",
-                        help="write a training state folder when training ends")
+                        help="write a training state folder <output_name>-state when training ends (also done "
+                             "by --save_state, as in kohya)")
     parser.add_argument("--save_last_n_steps_state", type=int, default=None,
                         help="keep only step states of the last N steps, by --save_last_n_steps' rule (removed "
                              "after the new state is complete; default: --save_last_n_steps, else keep all)")

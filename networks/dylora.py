@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from library import fp8_base
 from library.errors import UserError
 from networks import lora, network_base
 from networks.network_base import AdapterModule, Target
@@ -109,7 +110,8 @@ class DyLoRAModule(AdapterModule):
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
         parts = {"down": self.down_weight(), "up": self.up_weight(), "alpha": self.alpha}
-        return {"weight": self.org_module.weight.float() + multiplier * lora.lora_delta(parts)}
+        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
+        return {"weight": weight + multiplier * lora.lora_delta(parts)}
 
 
 def validate_network_args(network_args: Mapping[str, str]) -> None:

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from library import fp8_base
 from library.errors import UserError
 from networks import network_base
 from networks.network_base import LORAPLUS_NETWORK_ARGS, AdapterModule, AdapterNetwork, Target, loraplus_ratios
@@ -89,7 +90,8 @@ class LoRAModule(AdapterModule):
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
         parts = {"down": self.lora_down.weight, "up": self.lora_up.weight, "alpha": self.alpha}
-        return {"weight": self.org_module.weight.float() + multiplier * lora_delta(parts)}
+        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
+        return {"weight": weight + multiplier * lora_delta(parts)}
 
 
 class LoRANetwork(AdapterNetwork):

@@ -292,6 +292,8 @@ class LycorisNetwork(AdapterNetwork):
     modules' own tensors (``training_state_dict``), so a resumed run continues bit for bit.
     """
 
+    _max_norm_notice_given = False  # the notice of modules without max-norm is printed once
+
     # -- hooks of networks.network_base ------------------------------------------------
     def wrapped_module(self, lora: torch.nn.Module) -> torch.nn.Module:
         return lora.org_module[0]
@@ -318,19 +320,25 @@ class LycorisNetwork(AdapterNetwork):
 
     # -- max-norm: lycoris' apply_max_norm ----------------------------------------------
     def _max_norm_modules(self) -> list[torch.nn.Module]:
-        # lycoris' norm modules (train_norm) have no max-norm; its network skips them, and so do we.
-        return [lora for lora in self.all_loras() if not isinstance(lora, NormModule)]
+        """The modules whose class has its own ``apply_max_norm`` (LoCon, LoHa, LoKr, Diag-OFT, BOFT).
+        lycoris' network skips the others (and its norm modules, train_norm), and so do we: kohya +
+        lycoris trains a GUI preset such as iA3 with --scale_weight_norms, scaling nothing."""
+        return [lora for lora in self.all_loras() if not isinstance(lora, NormModule)
+                and type(lora).apply_max_norm is not LycorisBaseModule.apply_max_norm]
 
     def supports_max_norm(self) -> bool:
-        """Whether every module's class has its own ``apply_max_norm`` (LoCon, LoHa, LoKr, Diag-OFT, BOFT)."""
-        return all(type(lora).apply_max_norm is not LycorisBaseModule.apply_max_norm
-                   for lora in self._max_norm_modules())
+        """Always: as in lycoris, modules without max-norm are skipped (see ``_max_norm_modules``)."""
+        return True
 
     @torch.no_grad()
     def apply_max_norm_regularization(self, max_norm: float) -> MaxNormStats:
         """lycoris' per-module ``apply_max_norm`` (the scalar or the OFT blocks scaled down to ``max_norm``)."""
         device = next(self.parameters()).device
         scaled, norms = [], []
+        if not self._max_norm_notice_given and len(self._max_norm_modules()) < len(self.all_loras()):
+            self._max_norm_notice_given = True
+            print(f"--scale_weight_norms: {len(self.all_loras()) - len(self._max_norm_modules())} modules of "
+                  f"{self.network_module} have no max-norm in lycoris and are left as they are")
         for lora in self._max_norm_modules():
             was_scaled, norm = lora.apply_max_norm(max_norm, device)
             scaled.append(torch.as_tensor(was_scaled, device=device))

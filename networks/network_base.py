@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from library import fp8_base
 from library.errors import UserError
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
@@ -215,7 +216,8 @@ class WeightDeltaModule(AdapterModule):
         return org_out + conv_or_linear(self.org_module, delta, x) * factor
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
-        return {"weight": self.org_module.weight.float() + multiplier * self.delta_weight().float()}
+        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
+        return {"weight": weight + multiplier * self.delta_weight().float()}
 
 
 # --------------------------------------------------------------------------- the network

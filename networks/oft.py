@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from library import fp8_base
 from library.errors import UserError
 from networks import network_base
 from networks.network_base import AdapterModule, AdapterNetwork, Target
@@ -57,7 +58,7 @@ class OFTModule(AdapterModule):
     def rotated_weight(self, multiplier: float) -> torch.Tensor:
         """W with block k replaced by ``R_k^T W_k`` (float32, W's shape; autocast off: the inverse
         and the rotation need float32 even in fp16/bf16 training)."""
-        weight = self.org_module.weight.float()
+        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
         with torch.autocast(weight.device.type, enabled=False):
             blocks = weight.reshape(self.lora_dim, self.block_size, -1)
             rotated = torch.einsum("knm,knp->kmp", self.rotation(multiplier), blocks)

@@ -233,8 +233,12 @@ def test_lora_plus_and_max_norm_follow_the_algo(models):
         make_network(models, "algo=loha").prepare_optimizer_params(None, 1e-3, 1e-3, (None, 4.0))
     supported = {algo: make_network(models, f"algo={algo} conv_dim=2 block_size=2").supports_max_norm()
                  for algo in ("locon", "loha", "lokr", "diag-oft", "boft", "ia3", "glora", "dylora", "full")}
-    assert supported == {"locon": True, "loha": True, "lokr": True, "diag-oft": True, "boft": True,
-                         "ia3": False, "glora": False, "dylora": False, "full": False}
+    # lycoris skips modules without max-norm (kohya + lycoris trains an iA3 preset with --scale_weight_norms)
+    assert all(supported.values())
+    scaled_modules = {algo: len(make_network(models, f"algo={algo} conv_dim=2 block_size=2")._max_norm_modules())
+                      for algo in ("ia3", "glora", "dylora", "full", "lokr")}
+    assert scaled_modules["ia3"] == scaled_modules["glora"] == scaled_modules["dylora"] == scaled_modules["full"] == 0
+    assert scaled_modules["lokr"] > 0
     # lycoris' apply_max_norm scales the modules whose change is larger than the limit
     with torch.no_grad():
         for lora in network.all_loras():
@@ -536,8 +540,6 @@ def test_merge_lora_and_the_tools_read_lycoris_files(trained, tiny_models, tmp_p
      "--network_dim 4: algo=dylora needs a multiple of block_size=3"),
     (["--network_args", "algo=boft", "conv_dim=1"],
      "for this model use --network_dim >= 2; --network_args conv_dim >= 2"),
-    (["--network_args", "algo=ia3", "--scale_weight_norms", "1"],
-     "--scale_weight_norms: lycoris.kohya algo=ia3 does not support max-norm"),
     (["--network_args", "algo=loha", "loraplus_lr_ratio=4"], "lycoris.kohya algo=loha has no up/down parts"),
 ])
 def test_bad_lycoris_settings_are_one_line_errors(extra, message, tiny_models, one_image_dataset, tmp_path, capsys):
@@ -548,3 +550,16 @@ def test_bad_lycoris_settings_are_one_line_errors(extra, message, tiny_models, o
     error = train_expecting_user_error(argv[:start] + argv[end:] + extra, capsys)
     assert message in error
     assert not (tmp_path / "net.safetensors").exists()
+
+
+def test_max_norm_with_an_algo_without_it_trains_and_says_so(tiny_models, one_image_dataset, tmp_path, capsys):
+    """The GUI's iA3-Prodigy preset sets --scale_weight_norms: kohya + lycoris trains it, scaling nothing."""
+    argv = model_args(tiny_models, "sd15") + [
+        "--train_data_dir", str(one_image_dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(tmp_path), "--output_name", "net", "--max_data_loader_n_workers", "0",
+        "--network_module", "lycoris.kohya", "--network_args", "algo=ia3", "--learning_rate", "1e-2",
+        "--max_train_steps", "2", "--scale_weight_norms", "1"]
+    run_trainer("train_network", argv)
+    output = capsys.readouterr().out
+    assert output.count("have no max-norm in lycoris and are left as they are") == 1
+    assert (tmp_path / "net.safetensors").exists()

@@ -117,3 +117,15 @@ def test_a_state_whose_optimizer_overflowed_is_refused(tmp_path, capsys):
         "(the training diverged); run-step00000001-state stays the newest state (--resume auto resumes it)")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run-state.json", "run-step00000001-state"]
     assert json.loads((tmp_path / "run-state.json").read_text())["state"] == "run-step00000001-state"
+
+
+def test_an_alpha_beyond_the_save_precision_stays_float32_instead_of_refusing_the_file():
+    """A full-rank LoKr (the GUI's LoKr presets: --network_dim 100000) has alpha 100000, beyond fp16."""
+    from library.lora_files import cast_for_saving, save_refusal
+    trained = {"lora_unet_a.lokr_w1": torch.full((2, 2), 0.5), "lora_unet_a.alpha": torch.tensor(100000.0)}
+    assert save_refusal(trained, torch.float16) is None
+    saved = cast_for_saving(trained, torch.float16)
+    assert saved["lora_unet_a.lokr_w1"].dtype == torch.float16
+    assert saved["lora_unet_a.alpha"].dtype == torch.float32 and float(saved["lora_unet_a.alpha"]) == 100000.0
+    trained["lora_unet_a.lokr_w1"] = torch.full((2, 2), 1e5)  # a trained weight beyond fp16 is still refused
+    assert "beyond the range of --save_precision fp16" in save_refusal(trained, torch.float16)

@@ -112,9 +112,10 @@ def test_killed_during_a_state_write_resumes_from_the_previous_state(
 def test_damaged_newest_state_falls_back_to_the_previous_one(uninterrupted, tiny_models, bucketed_dataset, tmp_path):
     output_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, output_dir)
-    newest = output_dir / "run-step00000012-state"
-    lora_file = newest / "lora.safetensors"
-    lora_file.write_bytes(lora_file.read_bytes()[:100])  # truncated
+    # the newest two: the state at the end (--save_state, as kohya) and the step-12 one, both damaged
+    for newest in (output_dir / "run-state", output_dir / "run-step00000012-state"):
+        lora_file = newest / "lora.safetensors"
+        lora_file.write_bytes(lora_file.read_bytes()[:100])  # truncated
     (output_dir / "run.safetensors").unlink()
     output = run_to_end(resume_args(tiny_models, bucketed_dataset, output_dir, "--resume", "auto"))
     assert "run-step00000012-state" in output and "checksum mismatch" in output

@@ -371,7 +371,8 @@ def _check(condition: bool, where: str, message: str) -> None:
 def _check_dataset(spec: DatasetSpec, values: dict) -> None:
     where = spec.where
     _check(spec.batch_size >= 1, where, f"batch_size {spec.batch_size} must be at least 1")
-    _check(spec.bucket_reso_steps >= 8, where, f"bucket_reso_steps {spec.bucket_reso_steps} must be at least 8")
+    _check(spec.bucket_reso_steps >= 1, where, f"bucket_reso_steps {spec.bucket_reso_steps} must be a positive "
+           f"multiple of 64 (SD1.x/2.x) or 32 (SDXL), as in kohya")
     _check(spec.min_bucket_reso > 0 and spec.max_bucket_reso > 0, where, "bucket sizes must be positive")
     for key, default in UNSUPPORTED.items():
         if key in values and values[key] not in (None, default):
