@@ -83,3 +83,18 @@ def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_trai
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
     return error
+
+
+def model_outputs(models, seed: int = 0) -> list[torch.Tensor]:
+    """Every text encoder's hidden states and one UNet prediction, for fixed inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (2, 6), generator=generator)
+    results = [encoder(ids).last_hidden_state for encoder in models.text_encoders]
+    context = torch.randn(2, 6, models.unet.config.cross_attention_dim, generator=generator)
+    latents = torch.randn(2, 4, 8, 8, generator=generator)
+    extra = {}
+    if models.is_sdxl:
+        extra["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 64, generator=generator),
+                                      "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)}
+    results.append(models.unet(latents, torch.tensor([10, 500]), context, **extra).sample)
+    return results

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import model_args, model_outputs, run_trainer, train_expecting_user_error
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
@@ -248,21 +248,6 @@ def test_lora_plus_and_max_norm_follow_the_algo(models):
 
 
 # --------------------------------------------------------------------------- merging and reading files
-def outputs(models, seed: int = 0) -> list[torch.Tensor]:
-    """Every text encoder's hidden states and one UNet prediction, for fixed inputs."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 500, (2, 6), generator=generator)
-    results = [encoder(ids).last_hidden_state for encoder in models.text_encoders]
-    context = torch.randn(2, 6, models.unet.config.cross_attention_dim, generator=generator)
-    latents = torch.randn(2, 4, 8, 8, generator=generator)
-    extra = {}
-    if models.is_sdxl:
-        extra["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 64, generator=generator),
-                                      "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)}
-    results.append(models.unet(latents, torch.tensor([10, 500]), context, **extra).sample)
-    return results
-
-
 def largest_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(first, second))
 
@@ -287,18 +272,18 @@ def test_file_reproduces_the_network_and_merging_reproduces_the_file(variant, ki
     path = tmp_path / "net.safetensors"
     network = random_network_file(models, variant, path, multiplier=0.7)
     with torch.no_grad():
-        base = outputs(models)
+        base = model_outputs(models)
         network.apply_to()
-        applied = outputs(models)
+        applied = model_outputs(models)
         network.restore()
         from_file = registry.network_from_file(str(path), models.text_encoders, models.unet, unet_names(models),
                                                "--models", multiplier=0.7)
         from_file.eval()
         from_file.apply_to()
-        read_back = outputs(models)
+        read_back = model_outputs(models)
         from_file.restore()
         merged_count = merge_lora.merge_into_models(models, [str(path)], [0.7])
-        merged = outputs(models)
+        merged = model_outputs(models)
     assert largest_difference(applied, base) > 1e-2  # the network matters
     if variant != "dylora":  # lycoris' DyLoRA draws a rank at every forward, even in eval
         assert largest_difference(read_back, applied) < 1e-6
@@ -341,10 +326,10 @@ def test_lycoris_own_reader_loads_our_sd15_file_and_reproduces_it(variant, tmp_p
     theirs.eval()
     with torch.no_grad():
         ours.apply_to()
-        expected = outputs(models)
+        expected = model_outputs(models)
         ours.restore()
         theirs.apply_to(models.text_encoders[0], models.unet, True, True)
-        assert largest_difference(outputs(models), expected) < 1e-5
+        assert largest_difference(model_outputs(models), expected) < 1e-5
 
 
 def test_reading_back_what_lycoris_cannot(models, tmp_path):
@@ -517,8 +502,8 @@ def test_merge_lora_and_the_tools_read_lycoris_files(trained, tiny_models, tmp_p
     network.eval()
     network.apply_to()
     with torch.no_grad():
-        expected = outputs(base)
-        merged = outputs(model_loading.load_models(merged_file, **load))
+        expected = model_outputs(base)
+        merged = model_outputs(model_loading.load_models(merged_file, **load))
     for a, b in zip(merged, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
     for algo in ("ia3", "full", "boft"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import model_args, model_outputs, run_trainer, train_expecting_user_error
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
@@ -163,21 +163,6 @@ def test_booleans_are_read_as_the_gui_writes_them(models):
 
 
 # --------------------------------------------------------------------------- merging
-def outputs(models, seed: int = 0) -> list[torch.Tensor]:
-    """Every text encoder's hidden states and one UNet prediction, for fixed inputs."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 500, (2, 6), generator=generator)
-    results = [encoder(ids).last_hidden_state for encoder in models.text_encoders]
-    context = torch.randn(2, 6, models.unet.config.cross_attention_dim, generator=generator)
-    latents = torch.randn(2, 4, 8, 8, generator=generator)
-    extra = {}
-    if models.is_sdxl:
-        extra["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 64, generator=generator),
-                                      "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)}
-    results.append(models.unet(latents, torch.tensor([10, 500]), context, **extra).sample)
-    return results
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", ["sdxl", "sd15"])
 def test_merged_model_reproduces_base_plus_network(variant, kind, tmp_path):
@@ -193,12 +178,12 @@ def test_merged_model_reproduces_base_plus_network(variant, kind, tmp_path):
     network_base.save_lora_file(network.lora_state_dict(), str(path), {
         "ss_network_module": module, "ss_network_args": json.dumps(network_base.parse_network_args(args))})
     with torch.no_grad():
-        base = outputs(models)
+        base = model_outputs(models)
         network.apply_to()
-        applied = outputs(models)
+        applied = model_outputs(models)
         network.restore()
         merged_count = merge_lora.merge_into_models(models, [str(path)], [0.7])
-        merged = outputs(models)
+        merged = model_outputs(models)
     assert merged_count == len(network.all_loras())
     effects = [float((from_network - from_base).abs().max()) for from_network, from_base in zip(applied, base)]
     assert effects[-1] > 1e-2  # the network changes the UNet (and the text encoders, but for OFT)
@@ -304,8 +289,8 @@ def test_merge_lora_writes_a_checkpoint_with_the_network_merged(trained, tiny_mo
     network.eval()
     network.apply_to()
     with torch.no_grad():
-        expected = outputs(base)
-        merged = outputs(model_loading.load_models(merged_file, **load))
+        expected = model_outputs(base)
+        merged = model_outputs(model_loading.load_models(merged_file, **load))
     for a, b in zip(merged, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
