@@ -382,7 +382,8 @@ class NetworkTrainer:
 
         print(
             f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
-            f"{num_epochs} epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision}"
+            f"{num_epochs} epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision} "
+            f"on {device.type}"
         )
         run = LossContext(
             args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),

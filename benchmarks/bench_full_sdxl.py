@@ -143,11 +143,12 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
     return std * 0.3 if key.endswith(RESIDUAL_OUTPUTS) else std
 
 
-def build_model_file(path: Path) -> None:
+def build_model_file(path: Path, device: torch.device | None = None) -> None:
     """Write a full-size SDXL base single file (fp16, original layout) with seeded random weights.
 
     Streamed: the header comes from the meta models' shapes, then each tensor is generated and
-    written in turn, so memory stays at one tensor.
+    written in turn, so memory stays at one tensor. ``device``: where the random numbers are drawn
+    (a GPU draws them in seconds; its stream differs from the CPU's, so the weights do too).
     """
     import torch
 
@@ -171,19 +172,20 @@ def build_model_file(path: Path) -> None:
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
     temporary = path.with_name(path.name + ".partial")
-    generator = torch.Generator().manual_seed(SEED)
+    device = device or torch.device("cpu")
+    generator = torch.Generator(device).manual_seed(SEED)
     with open(temporary, "wb") as file:
         file.write(len(header_bytes).to_bytes(8, "little"))
         file.write(header_bytes)
         for key, shape in entries:
             std = _init_std(key, shape)
             if std is not None:
-                tensor = torch.randn(shape, generator=generator).mul_(std)
+                tensor = torch.randn(shape, generator=generator, device=device).mul_(std)
             elif key.endswith("bias") or "logit_scale" in key:
                 tensor = torch.zeros(shape)
             else:
                 tensor = torch.ones(shape)
-            file.write(tensor.to(torch.float16).contiguous().view(torch.uint8).numpy().tobytes())
+            file.write(tensor.to(torch.float16).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     os.replace(temporary, path)
     print(f"built {path} ({len(entries)} tensors, {offset / 2**30:.2f} GiB)", flush=True)
 

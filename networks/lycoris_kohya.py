@@ -24,9 +24,10 @@ every boolean argument reads ``False``/``True``/``0``/``1`` (lycoris takes the G
 ``decompose_both=False`` as true); ``use_tucker``/``use_cp``/``use_conv_cp`` are one switch (any
 true turns it on: lycoris lets ``use_cp`` overwrite ``use_tucker``); ``rank_dropout_scale`` and
 ``train_on_input``, which the GUI writes and lycoris' ``create_network`` drops, reach the modules;
-``--network_dropout`` is lycoris' ``dropout``; BOFT with a dim that cannot split a layer is a
-one-line error naming the dims that work; a DyLoRA file can be loaded again (lycoris cannot) and
-an IA3 file read back (lycoris' reader crashes on its ``on_input``).
+``--network_dropout`` is lycoris' ``dropout``; BOFT skips the conv layers it cannot split at their
+dim (the GUI's default ``conv_dim=1`` splits none; lycoris stops) and says so in one line, and a
+linear layer it cannot split is a one-line error naming the dims that work; a DyLoRA file can be
+loaded again (lycoris cannot) and an IA3 file read back (lycoris' reader crashes on its ``on_input``).
 
 File keys: ``<lora_name>.<tensor>`` with lycoris' tensor names (``lora_up.weight``, ``hada_w1_a``,
 ``lokr_w1``, ``weight``/``on_input``, ``a1.weight``, ``oft_blocks``, ``diff``, ``w_norm``, ... plus
@@ -55,6 +56,7 @@ from lycoris.modules.loha import LohaModule
 from lycoris.modules.lokr import LokrModule
 from lycoris.modules.norms import NormModule
 from lycoris.utils.preset import read_preset
+from lycoris.wrapper import network_module_dict
 
 from library import checkpoint_keys
 from library.errors import UserError, first_line
@@ -501,42 +503,81 @@ def create_network(
     # The preset is class state in lycoris (its create_network sets it the same way).
     LycorisNetworkKohya.apply_preset(preset_config(options.preset))
     try:
-        lycoris_network = LycorisNetworkKohya(text_encoder, unet_kohya, multiplier=multiplier,
-                                              warn_on_unmatched=False, **kwargs)
+        with _boft_skipping_unsplittable_convs() as skipped_convs:
+            lycoris_network = LycorisNetworkKohya(text_encoder, unet_kohya, multiplier=multiplier,
+                                                  warn_on_unmatched=False, **kwargs)
     except (ValueError, AssertionError) as error:  # lycoris refusing a layer for these arguments
         raise UserError(_construction_error(options, error, text_encoders, unet)) from None
     loras = lycoris_network.text_encoder_loras + lycoris_network.unet_loras
+    if skipped_convs:
+        notice = _skipped_convs_notice(skipped_convs)
+        if not loras:
+            raise UserError(f"{_network_name('boft')}: no layer to train: {notice}")
+        print(f"{_network_name('boft')}: {notice}")
     if not loras:
         raise UserError(f"--network_args preset={options.preset}: LyCORIS found no module to train in this model")
     return LycorisNetwork(lycoris_network.text_encoder_loras, lycoris_network.unet_loras, multiplier,
                           _network_name(options.algo))
 
 
+_BOFT_CANNOT_SPLIT = "It is impossible to decompose"  # the start of lycoris' refusal (modules/boft.py)
+_CONV_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+@contextlib.contextmanager
+def _boft_skipping_unsplittable_convs() -> Iterator[list[tuple[torch.nn.Module, int]]]:
+    """While active, a conv layer BOFT cannot split at the dim lycoris gives it gets no module:
+    lycoris' builder looks its algos up in ``network_module_dict`` and leaves a layer out when that
+    gives None, as it does for the layers an algo cannot take. Yields the list of (layer, dim)
+    skipped. lycoris itself stops the whole network on the first such conv: with the GUI's default
+    ``conv_dim=1`` no BOFT network could be built at all. Linear layers still raise."""
+    boft = network_module_dict["boft"]
+    skipped: list[tuple[torch.nn.Module, int]] = []
+
+    def build(lora_name: str, org_module: torch.nn.Module, multiplier: float, lora_dim: int, *args, **kwargs):
+        try:
+            return boft(lora_name, org_module, multiplier, lora_dim, *args, **kwargs)
+        except ValueError as error:
+            if not isinstance(org_module, _CONV_LAYERS) or not first_line(error).startswith(_BOFT_CANNOT_SPLIT):
+                raise
+            skipped.append((org_module, int(lora_dim)))
+            return None
+
+    network_module_dict["boft"] = build
+    try:
+        yield skipped
+    finally:
+        network_module_dict["boft"] = boft
+
+
+def _skipped_convs_notice(skipped: list[tuple[torch.nn.Module, int]]) -> str:
+    """What was skipped and why, in one line, with the conv_dim that would split them all."""
+    widths = sorted({layer.out_channels for layer, _ in skipped})
+    dims = ", ".join(str(dim) for dim in sorted({dim for _, dim in skipped}))
+    notice = (f"{len(skipped)} conv layers skipped: BOFT cannot split their {'/'.join(map(str, widths))} channels "
+              f"into butterfly blocks with dim {dims} (an even block size up to the dim, the width divided by it a "
+              f"power of two)")
+    if any(width % 2 for width in widths):
+        return notice + "; an odd width splits with no dim"
+    return notice + f"; --network_args conv_dim >= {max(map(smallest_boft_dim, widths))} splits them"
+
+
 def _construction_error(options: LycorisOptions, error: Exception, text_encoders: list[torch.nn.Module],
                         unet: torch.nn.Module) -> str:
-    """The one line for a lycoris refusal; BOFT's names the dims that split every layer."""
+    """The one line for a lycoris refusal; BOFT's names the network_dim that splits every linear
+    layer (conv layers it cannot split are skipped, see ``_boft_skipping_unsplittable_convs``)."""
     message = first_line(error)
-    if options.algo != "boft" or not message.startswith("It is impossible to decompose"):
+    if options.algo != "boft" or not message.startswith(_BOFT_CANNOT_SPLIT):
         return f"{_network_name(options.algo)}: {message}"
-    needs: dict[str, int] = {}  # flag -> smallest dim that splits every layer it sizes
-    for model in [*text_encoders, unet]:
-        for layer in model.modules():
-            if isinstance(layer, torch.nn.Linear):
-                flag, width = "--network_dim", layer.out_features
-            elif isinstance(layer, torch.nn.Conv2d):
-                flag = "--network_dim" if tuple(layer.kernel_size) == (1, 1) else "--network_args conv_dim"
-                width = layer.out_channels
-            else:
-                continue
-            if width % 2:
-                return (f"{_network_name('boft')}: the {width}-wide layer cannot be split into butterfly blocks; "
-                        f"use another algo")
-            needs[flag] = max(needs.get(flag, 0), smallest_boft_dim(width))
     match = re.search(r"decompose (\d+) with factor (-?\d+)", message)
     layer = f"a {match.group(1)}-wide layer with dim {match.group(2)}" if match else "a layer"
-    valid = "; ".join(f"{flag} >= {dim}" for flag, dim in needs.items())
+    widths = {layer.out_features for model in [*text_encoders, unet] for layer in model.modules()
+              if isinstance(layer, torch.nn.Linear)} | ({int(match.group(1))} if match else set())
+    if match and int(match.group(1)) % 2:
+        return f"{_network_name('boft')}: BOFT cannot split {layer} into butterfly blocks at any dim; use another algo"
+    valid = max(smallest_boft_dim(width) for width in widths if width % 2 == 0)
     return (f"{_network_name('boft')}: BOFT cannot split {layer} into butterfly blocks (an even block size up to "
-            f"the dim, the width divided by it a power of two); for this model use {valid}")
+            f"the dim, the width divided by it a power of two); for this model use --network_dim >= {valid}")
 
 
 def smallest_boft_dim(width: int) -> int:

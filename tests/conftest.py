@@ -18,6 +18,42 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Where the device-relevant tests run (``--device``, or TEST_DEVICE): cpu (default, CI) or cuda.
+DEVICE = "cpu"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", choices=("cpu", "cuda"), default=os.environ.get("TEST_DEVICE", "cpu"),
+        help="cpu (default): everything on CPU, a GPU is hidden even where there is one. cuda: run only the "
+             "tests marked 'device' (autocast + loss scaler, the guard's norms, trainings, sampling, kill + "
+             "resume) with their tensors and trainings on CUDA.")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global DEVICE
+    config.addinivalue_line("markers", "device: device-relevant; runs on CUDA with --device cuda")
+    DEVICE = config.getoption("--device")
+    if DEVICE == "cpu":
+        # Before the first CUDA call, so in-process trainings and their subprocesses stay on CPU.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if DEVICE == "cuda":
+        skip = pytest.mark.skip(reason="not device-relevant: runs with --device cpu")
+        for item in items:
+            if "device" not in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device of the device-relevant tests (``--device``)."""
+    return torch.device(DEVICE)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -69,7 +105,11 @@ def run_trainer(script: str, argv: list[str]) -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     importlib.import_module(script).main(argv=argv)
+    if DEVICE == "cuda":  # the training really ran on the GPU
+        assert torch.cuda.max_memory_allocated() > 0
 
 
 def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_train_network") -> str:

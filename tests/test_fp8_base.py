@@ -197,6 +197,7 @@ def observed_steps(monkeypatch) -> list[dict]:
     return steps
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("flag,precision", [("--fp8_base", "bf16"), ("--fp8_base", "fp16"),
                                             ("--fp8_base_unet", "bf16")])
 def test_training_with_float8_base_weights(flag, precision, tiny_models, one_image_dataset, tmp_path,

@@ -447,13 +447,13 @@ def test_state_dict_holds_plain_values_and_keeps_the_switch():
 # --------------------------------------------------------------------------- measurement
 
 
-def make_parameters(seed: int = 0, dtype=torch.float32):
+def make_parameters(seed: int = 0, dtype=torch.float32, device: torch.device = torch.device("cpu")):
     generator = torch.Generator().manual_seed(seed)
     shapes = [(4, 7), (7, 4), (3,), (16, 5), (5, 16), (1,)]
-    parameters = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+    parameters = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for shape in shapes]
     for parameter in parameters:
-        parameter.grad = torch.randn(parameter.shape, generator=generator).to(dtype)
-    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        parameter.grad = torch.randn(parameter.shape, generator=generator).to(device, dtype)
+    frozen = torch.nn.Parameter(torch.ones(3, device=device), requires_grad=False)
     return parameters, frozen
 
 
@@ -465,12 +465,13 @@ def flat_grad(parameters):
 def set_new_grads(parameters, seed):
     generator = torch.Generator().manual_seed(seed)
     for parameter in parameters:
-        parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)
+        parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.device, parameter.dtype)
 
 
 @pytest.mark.parametrize("chunk_numel", [None, 1, 30, 10**6])
-def test_monitor_norm_and_cosine_match_direct_computation(chunk_numel):
-    parameters, frozen = make_parameters()
+@pytest.mark.device
+def test_monitor_norm_and_cosine_match_direct_computation(chunk_numel, device):
+    parameters, frozen = make_parameters(device=device)
     monitor = GradientMonitor(parameters + [frozen], cosine=True, chunk_numel=chunk_numel)
     first = monitor.measure()
     assert first.norm == pytest.approx(torch.linalg.vector_norm(flat_grad(parameters)).item(), rel=1e-6)
@@ -489,8 +490,9 @@ def test_monitor_norm_and_cosine_match_direct_computation(chunk_numel):
         previous = current
 
 
-def test_norm_is_bit_identical_with_and_without_cosine():
-    parameters, _ = make_parameters(3)
+@pytest.mark.device
+def test_norm_is_bit_identical_with_and_without_cosine(device):
+    parameters, _ = make_parameters(3, device=device)
     plain = GradientMonitor(parameters)
     chunked = GradientMonitor(parameters, cosine=True, chunk_numel=20)
     for seed in range(4):
@@ -498,18 +500,20 @@ def test_norm_is_bit_identical_with_and_without_cosine():
         assert plain.measure().norm == chunked.measure().norm
 
 
-def test_monitor_does_not_modify_gradients():
-    parameters, _ = make_parameters()
+@pytest.mark.device
+def test_monitor_does_not_modify_gradients(device):
+    parameters, _ = make_parameters(device=device)
     monitor = GradientMonitor(parameters, cosine=True, unscaled=True, chunk_numel=25)
     for seed in range(3):
         set_new_grads(parameters, seed)
         before = [p.grad.clone() for p in parameters]
-        monitor.measure(scale=torch.tensor([1024.0]))
+        monitor.measure(scale=torch.tensor([1024.0], device=device))
         assert all(torch.equal(p.grad, b) for p, b in zip(parameters, before))
 
 
-def test_missing_grads_count_as_zero():
-    parameters, _ = make_parameters()
+@pytest.mark.device
+def test_missing_grads_count_as_zero(device):
+    parameters, _ = make_parameters(device=device)
     monitor = GradientMonitor(parameters, cosine=True, chunk_numel=30)
     monitor.measure()
     previous = flat_grad(parameters)
@@ -528,8 +532,9 @@ def test_missing_grads_count_as_zero():
     assert monitor.measure().cosine == pytest.approx(expected2, abs=1e-6)
 
 
-def test_cosine_is_nan_for_zero_and_non_finite_gradients():
-    parameters, _ = make_parameters()
+@pytest.mark.device
+def test_cosine_is_nan_for_zero_and_non_finite_gradients(device):
+    parameters, _ = make_parameters(device=device)
     monitor = GradientMonitor(parameters, cosine=True)
     monitor.measure()
     for p in parameters:
@@ -547,27 +552,30 @@ def test_cosine_is_nan_for_zero_and_non_finite_gradients():
     assert math.isnan(monitor.measure().norm)
 
 
-def test_cosine_off_gives_nan_and_no_buffers():
-    parameters, _ = make_parameters()
+@pytest.mark.device
+def test_cosine_off_gives_nan_and_no_buffers(device):
+    parameters, _ = make_parameters(device=device)
     monitor = GradientMonitor(parameters)
     assert math.isnan(monitor.measure().cosine) and math.isnan(monitor.measure().cosine)
     assert monitor.state_dict()["previous_gradient"] is None
 
 
-def test_scale_handling_and_unscaled_norm():
-    parameters, _ = make_parameters()
+@pytest.mark.device
+def test_scale_handling_and_unscaled_norm(device):
+    parameters, _ = make_parameters(device=device)
     raw = torch.linalg.vector_norm(flat_grad(parameters)).item()
-    scaled = GradientMonitor(parameters).measure(scale=torch.tensor([512.0]))
+    scaled = GradientMonitor(parameters).measure(scale=torch.tensor([512.0], device=device))
     assert scaled.norm == pytest.approx(raw, rel=1e-6) and scaled.scale == 512.0
     unscaled = GradientMonitor(parameters, unscaled=True)
-    assert unscaled.measure(scale=torch.tensor([512.0])).norm == pytest.approx(raw / 512, rel=1e-6)
+    assert unscaled.measure(scale=torch.tensor([512.0], device=device)).norm == pytest.approx(raw / 512, rel=1e-6)
     assert unscaled.measure(scale=256.0).norm == pytest.approx(raw / 256, rel=1e-6)
     assert unscaled.measure().norm == pytest.approx(raw, rel=1e-6)
 
 
-def test_half_precision_gradients_do_not_overflow():
-    parameter = torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))
-    parameter.grad = torch.full((100,), 60000.0, dtype=torch.float16)
+@pytest.mark.device
+def test_half_precision_gradients_do_not_overflow(device):
+    parameter = torch.nn.Parameter(torch.zeros(100, dtype=torch.float16, device=device))
+    parameter.grad = torch.full((100,), 60000.0, dtype=torch.float16, device=device)
     assert GradientMonitor([parameter]).measure().norm == pytest.approx(600000.0, rel=1e-3)
 
 

@@ -61,6 +61,7 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
 
+@pytest.mark.device
 def test_immediate_skip_leaves_weights_optimizer_lr_and_scale_untouched(tiny_models, demo_dataset, tmp_path):
     out = tmp_path / "out"
     calls = run_recording(
@@ -83,6 +84,7 @@ def test_immediate_skip_leaves_weights_optimizer_lr_and_scale_untouched(tiny_mod
     assert all(torch.isfinite(value).all() for value in step4.values())
 
 
+@pytest.mark.device
 def test_stable_preset_lets_the_scaler_back_off_on_nan(tiny_models, demo_dataset, tmp_path):
     """Stable preset: a NaN norm goes to the window and is not skipped (NaN > 200000 is False),
     so the GradScaler sees the overflow, skips its own step and halves the scale."""
@@ -101,6 +103,7 @@ def test_stable_preset_lets_the_scaler_back_off_on_nan(tiny_models, demo_dataset
     assert all(torch.isfinite(value).all() for value in lora_tensors(out / "last.safetensors").values())
 
 
+@pytest.mark.device
 def test_stable_preset_skips_an_inf_norm_during_warm_up(tiny_models, demo_dataset, tmp_path):
     """An Inf norm against the finite warm-up threshold 200000 is skipped (spec decision rule 4)."""
     out = tmp_path / "out"
@@ -125,6 +128,7 @@ def test_log_only_mode_changes_no_weight(tiny_models, demo_dataset, tmp_path):
     assert len(rows) == 4 and rows[0]["CosineSim"] == "nan" and rows[0]["ThreshOff"] == "0"
 
 
+@pytest.mark.device
 def test_cosine_column_matches_a_direct_computation(tiny_models, demo_dataset, tmp_path):
     """With SGD (no clipping) each step's update is -lr * gradient, so the saved LoRAs give the gradients."""
     out = tmp_path / "out"
@@ -151,6 +155,7 @@ def test_cosine_column_matches_a_direct_computation(tiny_models, demo_dataset, t
     assert float(rows[2]["Gradient Norm"]) == pytest.approx(grad3.norm().item(), rel=1e-3)
 
 
+@pytest.mark.device
 def test_replay_reproduces_the_training_decisions(tiny_models, one_image_dataset, tmp_path, capsys):
     """Past the 200-step warm-up, with a NaN in the window: the replay tool gives the training's
     own Threshold, ThreshOff and skip decisions."""

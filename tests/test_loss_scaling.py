@@ -29,23 +29,26 @@ def f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def make_scaler(name: str, *items: str, mixed_precision: str = "fp16") -> LossScaler | None:
+def make_scaler(name: str, *items: str, mixed_precision: str = "fp16",
+                device: torch.device = torch.device("cpu")) -> LossScaler | None:
     """Build a scaler the way the trainer does: through the parsed command-line options."""
     parser = argparse.ArgumentParser()
     loss_scaling.add_arguments(parser)
     args = parser.parse_args(["--loss_scaler", name, *(["--loss_scaler_args", *items] if items else [])])
     args.mixed_precision = mixed_precision
-    return create_loss_scaler(args, torch.device("cpu"))
+    return create_loss_scaler(args, device)
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device = torch.device("cpu")) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device, dtype)
 
 
 def backward(scaler, model: torch.nn.Module, overflow: bool) -> None:
     """A real scaled backward; on ``overflow`` one gradient element becomes inf (as fp16 would)."""
-    loss = model(INPUT.to(next(model.parameters()).dtype)).float().square().sum()
+    first = next(model.parameters())
+    loss = model(INPUT.to(first.device, first.dtype)).float().square().sum()
     scaler.scale(loss).backward()
     if overflow:
         next(model.parameters()).grad.view(-1)[0] = float("inf")
@@ -80,12 +83,13 @@ def test_dynamic_halves_on_overflow_and_doubles_after_growth_interval_clean_step
     assert scaler.overflow_count == 2
 
 
-def test_dynamic_matches_torch_grad_scaler_exactly():
+@pytest.mark.device
+def test_dynamic_matches_torch_grad_scaler_exactly(device):
     """Same scales (float32 arithmetic included) and bit-identical parameters as torch's GradScaler."""
     options = dict(init_scale=1000.5, growth_factor=1.7, backoff_factor=0.3, growth_interval=2)
-    ours = make_scaler("dynamic", *(f"{key}={value}" for key, value in options.items()))
-    theirs = torch.amp.GradScaler("cpu", **options)
-    models = [make_model(), make_model()]
+    ours = make_scaler("dynamic", *(f"{key}={value}" for key, value in options.items()), device=device)
+    theirs = torch.amp.GradScaler(device.type, **options)
+    models = [make_model(device=device), make_model(device=device)]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
     for letter in "CCOCCCCOOCCCCC":
         for scaler, model, optimizer in zip((ours, theirs), models, optimizers):
@@ -170,12 +174,13 @@ def test_bf16_and_fp32_have_no_scaler():
 # --------------------------------------------------------------------------- mechanics
 
 
-def test_overflow_step_leaves_weights_and_optimizer_state_untouched_and_next_step_trains_normally():
+@pytest.mark.device
+def test_overflow_step_leaves_weights_and_optimizer_state_untouched_and_next_step_trains_normally(device):
     """Clean, overflow, clean with the scaler == clean, clean without it, bit for bit (AdamW)."""
-    model, reference = make_model(), make_model()
+    model, reference = make_model(device=device), make_model(device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    scaler = make_scaler("dynamic")
+    scaler = make_scaler("dynamic", device=device)
 
     drive(scaler, "C", model, optimizer)
     weights = copy.deepcopy(model.state_dict())
@@ -192,17 +197,18 @@ def test_overflow_step_leaves_weights_and_optimizer_state_untouched_and_next_ste
     _, stepped = drive(scaler, "C", model, optimizer)
     assert stepped == [True] and not scaler.last_step_skipped
     for _ in range(2):  # the reference never saw the overflow
-        reference(INPUT).square().sum().backward()
+        reference(INPUT.to(device)).square().sum().backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=True)
     for mine, expected in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, expected)
 
 
-def test_fp16_gradients_are_unscaled_in_place_and_checked():
-    model = make_model(dtype=torch.float16)
+@pytest.mark.device
+def test_fp16_gradients_are_unscaled_in_place_and_checked(device):
+    model = make_model(dtype=torch.float16, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = make_scaler("dynamic", "init_scale=1024")
+    scaler = make_scaler("dynamic", "init_scale=1024", device=device)
     backward(scaler, model, overflow=False)
     scaled = [p.grad.clone() for p in model.parameters()]
     assert all(grad.dtype == torch.float16 for grad in scaled)
@@ -367,6 +373,7 @@ def read_log(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
+@pytest.mark.device
 def test_plugin_file_drives_real_fp16_training(tiny_models, one_image_dataset, tmp_path):
     """The example plugin, given by file path, sets the scale of a real fp16 SDXL run."""
     output_dir = tmp_path / "out"
@@ -384,6 +391,7 @@ def test_plugin_file_drives_real_fp16_training(tiny_models, one_image_dataset, t
     assert all(math.isfinite(float(row["Gradient Norm"])) for row in rows)
 
 
+@pytest.mark.device
 def test_overflow_in_real_training_skips_the_step_and_the_next_one_trains(tiny_models, one_image_dataset, tmp_path):
     """A scale of 2**40 overflows the fp16 backward: that step is skipped (an applied inf/NaN step
     would leave NaN weights), the scale drops to 2**14 and the next step trains."""

@@ -40,8 +40,8 @@ GUI_ARGS = {
               "algo=dylora train_norm=False",
     "diag-oft": "preset=full conv_dim=1 conv_alpha=1 module_dropout=0.0 use_tucker=False rank_dropout=0 "
                 "rank_dropout_scale=False constraint=0.0 rescaled=False algo=diag-oft train_norm=False",
-    # BOFT's GUI default conv_dim=1 cannot split any conv (test_boft_dims_that_cannot_split_a_layer_...): 2 here.
-    "boft": "preset=full conv_dim=2 conv_alpha=1 module_dropout=0.0 use_tucker=False rank_dropout=0 "
+    # conv_dim=1 splits no 3x3 conv: BOFT trains the other layers (test_boft_at_the_gui_defaults_...)
+    "boft": "preset=full conv_dim=1 conv_alpha=1 module_dropout=0.0 use_tucker=False rank_dropout=0 "
             "rank_dropout_scale=False algo=boft train_norm=False",
     "full": "preset=full rank_dropout=0 module_dropout=0.0 rank_dropout_scale=False algo=full train_norm=False",
 }
@@ -346,7 +346,7 @@ def test_reading_back_what_lycoris_cannot(models, tmp_path):
             assert torch.equal(reread[key].reshape(value.shape), value), key
 
 
-def test_boft_dims_that_cannot_split_a_layer_are_named_in_one_line(models):
+def test_boft_dims_that_cannot_split_a_linear_layer_are_named_in_one_line(models):
     """BOFT needs an even block size up to the dim that leaves a power of two: a 768-wide CLIP layer
     (SD1.x) needs dim 6 or more. lycoris stops with a traceback; we name the dims that work."""
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -360,6 +360,46 @@ def test_boft_dims_that_cannot_split_a_layer_are_named_in_one_line(models):
     assert len(message.splitlines()) == 1
     assert "768-wide layer with dim 4" in message and "--network_dim >= 6" in message
     assert make_network(models, "algo=boft conv_dim=2", dim=6).all_loras()  # what it says works, works
+
+
+def is_3x3_conv(layer: torch.nn.Module) -> bool:
+    return isinstance(layer, torch.nn.Conv2d) and tuple(layer.kernel_size) != (1, 1)
+
+
+def test_boft_at_the_gui_defaults_skips_the_convs_it_cannot_split(models, capsys):
+    """The GUI's BOFT defaults: conv_dim=1 splits no 3x3 conv (lycoris stops on the first one). Every
+    other layer gets its BOFT module, exactly those of conv_dim=2 but the 3x3 convs, and one line says
+    how many convs were skipped and which conv_dim would take them."""
+    capsys.readouterr()
+    network = make_network(models, GUI_ARGS["boft"], GUI_DIM)
+    notices = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    with_convs = make_network(models, GUI_ARGS["boft"].replace("conv_dim=1", "conv_dim=2"), GUI_DIM)
+    names = {lora.lora_name: network.wrapped_module(lora) for lora in network.all_loras()}
+    all_names = {lora.lora_name: with_convs.wrapped_module(lora) for lora in with_convs.all_loras()}
+    skipped = set(all_names) - set(names)
+    assert set(names) < set(all_names) and skipped and all(is_3x3_conv(all_names[name]) for name in skipped)
+    assert not any(is_3x3_conv(layer) for layer in names.values())
+    assert any(isinstance(layer, torch.nn.Linear) for layer in names.values())
+    widths = "/".join(str(width) for width in sorted({all_names[name].out_channels for name in skipped}))
+    assert notices == [f"lycoris.kohya algo=boft: {len(skipped)} conv layers skipped: BOFT cannot split their {widths} "
+                       "channels into butterfly blocks with dim 1 (an even block size up to the dim, the width "
+                       "divided by it a power of two); --network_args conv_dim >= 2 splits them"]
+
+
+def test_boft_with_no_layer_it_can_split_is_one_line_naming_the_conv_dim(models, tmp_path):
+    """A preset that targets only 3x3 convs (the UNet's downsamplers): at conv_dim=1 nothing is left to
+    train, a one-line error naming the conv_dim that works; that conv_dim builds them."""
+    preset = tmp_path / "downsamplers.toml"
+    preset.write_text('enable_conv = true\nunet_target_module = ["Downsample2D"]\nunet_target_name = []\n'
+                      'text_encoder_target_module = []\ntext_encoder_target_name = []\n')
+    with pytest.raises(UserError) as refused:
+        make_network(models, f"algo=boft conv_dim=1 preset={preset}", GUI_DIM)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("lycoris.kohya algo=boft: no layer to train: ")
+    assert "--network_args conv_dim >= 2 splits them" in message
+    built = make_network(models, f"algo=boft conv_dim=2 preset={preset}", GUI_DIM).all_loras()
+    assert built and all(is_3x3_conv(lora.org_module[0]) for lora in built)
 
 
 # --------------------------------------------------------------------------- training
@@ -523,8 +563,9 @@ def test_merge_lora_and_the_tools_read_lycoris_files(trained, tiny_models, tmp_p
     (["--network_args", "algo=full", "bypass_mode=True"], "algo=full has no bypass mode"),
     (["--network_args", "algo=dylora", "block_size=3"],
      "--network_dim 4: algo=dylora needs a multiple of block_size=3"),
-    (["--network_args", "algo=boft", "conv_dim=1"],
-     "for this model use --network_dim >= 2; --network_args conv_dim >= 2"),
+    (["--network_args", "algo=boft", "conv_dim=2", "--network_dim", "1"],
+     "with dim 1 into butterfly blocks (an even block size up to the dim, the width divided by it a power of two); "
+     "for this model use --network_dim >= 2"),
     (["--network_args", "algo=loha", "loraplus_lr_ratio=4"], "lycoris.kohya algo=loha has no up/down parts"),
 ])
 def test_bad_lycoris_settings_are_one_line_errors(extra, message, tiny_models, one_image_dataset, tmp_path, capsys):

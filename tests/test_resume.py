@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import conftest
 from conftest import model_args, run_trainer
 from PIL import Image
 
@@ -61,6 +62,7 @@ def run_to_end(argv: list[str]) -> str:
     process = launch(argv)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
+    assert f"on {conftest.DEVICE}" in output  # trained on the device under test
     return output
 
 
@@ -76,6 +78,7 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
     assert (resumed / "gradient_logs+run.txt").read_text() == (reference / "gradient_logs+run.txt").read_text()
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sigkill_at_a_random_moment_then_resume_auto_gives_identical_bytes(
     seed, tiny_models, bucketed_dataset, uninterrupted, tmp_path
@@ -94,6 +97,7 @@ def test_sigkill_at_a_random_moment_then_resume_auto_gives_identical_bytes(
     assert_same_run(uninterrupted, output_dir)
 
 
+@pytest.mark.device
 def test_killed_during_a_state_write_resumes_from_the_previous_state(
     tiny_models, bucketed_dataset, uninterrupted, tmp_path
 ):

@@ -132,11 +132,13 @@ def train_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> lis
     ]
 
 
+@pytest.mark.device
 def test_sampling_during_training_changes_nothing(tiny_models, demo_dataset, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 7 --l 3\na blue square --n green --w 64 --h 64 --s 1\n")
     plain, sampled = tmp_path / "plain", tmp_path / "sampled"
-    run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, plain))
+    # both runs with checkpointing: sampling is the only difference between them
+    run_trainer("sdxl_train_network", train_args(tiny_models, demo_dataset, plain, "--gradient_checkpointing"))
     run_trainer("sdxl_train_network", train_args(
         tiny_models, demo_dataset, sampled, "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
         "--sample_at_first", "--sample_sampler", "euler_a", "--gradient_checkpointing"))

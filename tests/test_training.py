@@ -63,6 +63,7 @@ def evaluation_losses(name: str, tiny_models, dataset_dir: Path, lora_path: Path
     return results
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name", ["sdxl", "sd15"])
 def test_fp16_training_overfits_one_image(name, tiny_models, one_image_dataset, tmp_path):
     """A few dozen fp16 steps with the GradScaler lower the loss on the trained image clearly."""
@@ -80,11 +81,13 @@ def test_fp16_training_overfits_one_image(name, tiny_models, one_image_dataset, 
     )
     rows = read_log(output_dir / "gradient_logs+last.txt")
     assert len(rows) == 40
-    assert {row["Scale"] for row in rows} == {"65536.0"}  # the scaler was in use at every step
+    # the scaler was in use at every step (CUDA's fp16 kernels may overflow once and back off)
+    assert rows[0]["Scale"] == "65536.0" and all(float(row["Scale"]) >= 2.0**14 for row in rows)
     losses = evaluation_losses(name, tiny_models, one_image_dataset, output_dir / "last.safetensors", tmp_path)
     assert losses[1.0] < 0.6 * losses[0.0], losses
 
 
+@pytest.mark.device
 def test_fp16_gradients_are_scaled_then_unscaled_before_the_step(tiny_models, one_image_dataset, tmp_path):
     """The guard sees scale x gradient; the optimizer sees the unscaled gradient.
 
