@@ -412,10 +412,9 @@ class NetworkTrainer:
         try:
             # Schedule-free optimizers: samples, validation and files see the averaged weights (eval
             # mode). A resumed state was saved in eval mode: train mode comes after this sample.
-            optimizers.enter_eval_mode(optimizer)
-            sampling.sample_images(args, accelerator, models, network, device, when="first",
-                                   step=progress_state.global_step)
-            optimizers.enter_train_mode(optimizer)
+            with optimizers.averaged_weights(optimizer):
+                sampling.sample_images(args, accelerator, models, network, device, when="first",
+                                       step=progress_state.global_step)
             while progress_state.global_step < args.max_train_steps:
                 epoch = progress_state.epoch
                 first_step = progress_state.global_step - progress_state.batches_done // args.gradient_accumulation_steps
@@ -455,36 +454,35 @@ class NetworkTrainer:
                                        loss_value, avr_loss, measured, decision, max_norm_logs)
                     if jsonl is not None:
                         jsonl.append(step, logs)
-                    optimizers.enter_eval_mode(optimizer)  # every step on every process, as kohya
-                    if validator is not None and validator.due_after_step(step):  # before this step's state
-                        validate("step", f"after step {step}")
-                    if accelerator.is_main_process:
-                        writer.on_step(network, step, epoch)
-                        sampling.sample_images(args, accelerator, models, network, device, when="step", step=step)
-                        if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
-                            flush_logs()
-                            if save_state(train_state.step_state_name(args.output_name, step)):
-                                store.rotate("step", step, args.save_every_n_steps, keep_step_states)
-                    optimizers.enter_train_mode(optimizer)
+                    with optimizers.averaged_weights(optimizer):  # every step on every process, as kohya
+                        if validator is not None and validator.due_after_step(step):  # before this step's state
+                            validate("step", f"after step {step}")
+                        if accelerator.is_main_process:
+                            writer.on_step(network, step, epoch)
+                            sampling.sample_images(args, accelerator, models, network, device, when="step",
+                                                   step=step)
+                            if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
+                                flush_logs()
+                                if save_state(train_state.step_state_name(args.output_name, step)):
+                                    store.rotate("step", step, args.save_every_n_steps, keep_step_states)
                 if stop.requested:
                     break
                 if progress_state.batches_done >= len(dataloader):  # the epoch is complete
                     progress_state.epoch += 1
                     progress_state.batches_done = 0
-                    optimizers.enter_eval_mode(optimizer)
-                    if validator is not None and validator.due_after_epoch(epoch):
-                        validate("epoch", f"after epoch {epoch} (step {progress_state.global_step})")
-                    if accelerator.is_main_process:
-                        writer.on_epoch_end(network, progress_state.global_step, epoch,
-                                            is_last_epoch=epoch == num_epochs)
-                        sampling.sample_images(args, accelerator, models, network, device, when="epoch",
-                                               step=progress_state.global_step, epoch=epoch)
-                        every = args.save_every_n_epochs
-                        if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
-                            flush_logs()
-                            if save_state(train_state.epoch_state_name(args.output_name, epoch)):
-                                store.rotate("epoch", epoch, every, keep_epoch_states)
-                    optimizers.enter_train_mode(optimizer)
+                    with optimizers.averaged_weights(optimizer):
+                        if validator is not None and validator.due_after_epoch(epoch):
+                            validate("epoch", f"after epoch {epoch} (step {progress_state.global_step})")
+                        if accelerator.is_main_process:
+                            writer.on_epoch_end(network, progress_state.global_step, epoch,
+                                                is_last_epoch=epoch == num_epochs)
+                            sampling.sample_images(args, accelerator, models, network, device, when="epoch",
+                                                   step=progress_state.global_step, epoch=epoch)
+                            every = args.save_every_n_epochs
+                            if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
+                                flush_logs()
+                                if save_state(train_state.epoch_state_name(args.output_name, epoch)):
+                                    store.rotate("epoch", epoch, every, keep_epoch_states)
         finally:
             progress.close()
             flush_logs()

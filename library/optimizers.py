@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import inspect
 import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -277,6 +278,18 @@ def enter_eval_mode(optimizer: torch.optim.Optimizer) -> None:
     moves the weights, and the processes' weights must stay identical."""
     if is_schedule_free(type(optimizer)):
         optimizer.eval()
+
+
+@contextlib.contextmanager
+def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, a schedule-free optimizer's parameters are its averaged weights (eval
+    mode: what samples, validation and saved files see); after it, its training point again. A
+    no-op for other optimizers. Every process must enter and leave at the same points."""
+    enter_eval_mode(optimizer)
+    try:
+        yield
+    finally:
+        enter_train_mode(optimizer)
 
 
 def parse_key_value_args(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
