@@ -12,6 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -87,6 +88,24 @@ def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("demo_dataset")
     make_demo_dataset(str(root), count=4, size=72, repeats=1)
     return root
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """wandb in offline mode writing under ``tmp_path`` (returned: its ``wandb`` folder), no key.
+
+    wandb reads its settings once per process (``wandb.setup``): it is torn down before and after,
+    or a run would land in the folder of whichever test used wandb first in this process."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()
+    yield tmp_path / "wandb"
+    wandb.teardown()
 
 
 def model_args(tiny_models: dict[str, Path], name: str) -> list[str]:

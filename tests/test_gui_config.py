@@ -204,19 +204,13 @@ METADATA_OF_TOML = {
 
 
 @pytest.mark.parametrize("shape", GUI_TOMLS)
-def test_toml_as_the_gui_writes_it_trains(shape, tiny_models, demo_dataset, tmp_path, monkeypatch, caplog):
+def test_toml_as_the_gui_writes_it_trains(shape, tiny_models, demo_dataset, tmp_path, offline_wandb, caplog):
     """Empty prompt file, GUI-only keys (epoch, noise_offset_type, dynamo_backend), empty lists,
     Python-style "key=value" strings, text_encoder_lr as a list, wandb offline: it trains, and
     the LoRA's ss_* metadata records what the TOML says."""
     output_dir = tmp_path / "out"
     (output_dir / "sample").mkdir(parents=True)
     (output_dir / "sample" / "prompt.txt").write_text("")  # the GUI's empty Samples box
-    for name in ("WANDB_API_KEY", "WANDB_BASE_URL"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     text = GUI_TOMLS[shape].format(out=output_dir, model=tiny_models["sdxl"], data=demo_dataset)
     config = output_dir / "config_lora-20260101-000000.toml"
     config.write_text(text)
@@ -241,7 +235,7 @@ def test_toml_as_the_gui_writes_it_trains(shape, tiny_models, demo_dataset, tmp_
     assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16 if written["save_precision"] == "bf16"
                                                              else torch.float16}
     if written.get("log_with") == "wandb":
-        assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb logged nothing offline"
+        assert list(offline_wandb.glob("offline-run-*")), "wandb logged nothing offline"
 
 
 def recorded_as(value, text: str) -> bool:

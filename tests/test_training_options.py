@@ -68,11 +68,7 @@ def test_bf16_epochs_rotation_and_dropouts(tiny_models, demo_dataset, tmp_path):
     assert all(torch.isfinite(value.float()).all() for value in weights.values())
 
 
-def test_wandb_logs_offline(tiny_models, demo_dataset, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_wandb_logs_offline(tiny_models, demo_dataset, tmp_path, offline_wandb):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle --w 64 --h 64 --s 1 --d 1\n")
     run_trainer("sdxl_train_network", args_for(
@@ -80,7 +76,7 @@ def test_wandb_logs_offline(tiny_models, demo_dataset, tmp_path, monkeypatch):
         "--wandb_run_name", "tiny-run", "--log_tracker_name", "tiny-project",
         "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
     ))
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    runs = list(offline_wandb.glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     # the sample image went to wandb as kohya sends it: sample_0
     assert [path.name.startswith("sample_0") for path in runs[0].rglob("media/images/*.png")] == [True]
