@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
-from typing import Iterator  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -106,6 +106,25 @@ def offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
     wandb.teardown()
     yield tmp_path / "wandb"
     wandb.teardown()
+
+
+# The training script of each tiny model kind (module names for ``run_trainer``).
+TRAIN_SCRIPTS = {"sdxl": "sdxl_train_network", "sd15": "train_network"}
+
+
+def trainings_run_once(tmp_path_factory: pytest.TempPathFactory,
+                       argv_for: Callable[[str, str, Path], list[str]]) -> Callable[[str, str], Path]:
+    """``get(variant, kind)`` -> the output folder of the training ``argv_for(variant, kind, folder)``
+    describes, trained on first request only (for module-scoped fixtures shared by many tests)."""
+    runs: dict[tuple[str, str], Path] = {}
+
+    def get(variant: str, kind: str) -> Path:
+        if (variant, kind) not in runs:
+            output_dir = tmp_path_factory.mktemp(f"{variant}_{kind}")
+            run_trainer(TRAIN_SCRIPTS[kind], argv_for(variant, kind, output_dir))
+            runs[variant, kind] = output_dir
+        return runs[variant, kind]
+    return get
 
 
 def model_args(tiny_models: dict[str, Path], name: str) -> list[str]:

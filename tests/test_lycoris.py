@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, model_outputs, run_trainer, train_expecting_user_error
+from conftest import (TRAIN_SCRIPTS, model_args, model_outputs, run_trainer, train_expecting_user_error,
+                      trainings_run_once)
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
@@ -20,7 +21,6 @@ from networks import lycoris_kohya, merge_lora, network_base, registry
 from networks.network_base import read_lora_file, read_lora_metadata
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = {"sdxl": "sdxl_train_network", "sd15": "train_network"}
 
 # The GUI's network_args for each "LyCORIS/..." LoRA type with its default settings (kohya_gui/lora_gui.py,
 # quotes removed as it does). LoCon writes use_tucker twice: the later one counts, as in kohya's parser.
@@ -433,15 +433,8 @@ def train_args(tiny_models, dataset: Path, kind: str, variant: str, output_dir: 
 @pytest.fixture(scope="module")
 def trained(tiny_models, one_image_dataset, tmp_path_factory):
     """variant, kind -> output folder of a 3-step run (state at step 2, final file net.safetensors)."""
-    runs = {}
-
-    def get(variant: str, kind: str) -> Path:
-        if (variant, kind) not in runs:
-            output_dir = tmp_path_factory.mktemp(f"{variant}_{kind}")
-            run_trainer(SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, output_dir))
-            runs[variant, kind] = output_dir
-        return runs[variant, kind]
-    return get
+    return trainings_run_once(tmp_path_factory, lambda variant, kind, output_dir: train_args(
+        tiny_models, one_image_dataset, kind, variant, output_dir))
 
 
 @pytest.mark.parametrize("algo", GUI_ARGS)
@@ -504,7 +497,7 @@ def test_continues_from_a_file(variant, kind, from_weights, trained, tiny_models
     extra = ["--network_weights", str(source), "--max_train_steps", "1", "--learning_rate", "1e-4"]
     if from_weights:
         extra.append("--dim_from_weights")
-    run_trainer(SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, tmp_path, *extra))
+    run_trainer(TRAIN_SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, tmp_path, *extra))
     before, after = read_lora_file(str(source)), read_lora_file(str(tmp_path / "net.safetensors"))
     assert {key: value.shape for key, value in before.items()} == {key: value.shape for key, value in after.items()}
     changed = [key for key in before if not torch.equal(before[key], after[key])]

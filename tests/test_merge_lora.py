@@ -9,18 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import model_args, run_trainer
+from conftest import TRAIN_SCRIPTS, model_args, run_trainer
 
 from library.errors import UserError
 from networks import merge_lora
 from networks.lora import lora_delta, lora_modules, read_lora_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"sdxl": "sdxl_train_network", "sd15": "train_network"}
 
 
 def train(kind: str, tiny_models, dataset: Path, output_dir: Path, seed: int) -> Path:
-    run_trainer(SCRIPTS[kind], model_args(tiny_models, kind) + [
+    run_trainer(TRAIN_SCRIPTS[kind], model_args(tiny_models, kind) + [
         "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
         "--output_dir", str(output_dir), "--output_name", f"lora{seed}", "--seed", str(seed),
         "--max_data_loader_n_workers", "0", "--network_dim", "4", "--network_alpha", "2",
@@ -33,7 +32,7 @@ def train(kind: str, tiny_models, dataset: Path, output_dir: Path, seed: int) ->
 def loras(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("merge_loras")
     return {kind: (train(kind, tiny_models, demo_dataset, root / kind, 1),
-                   train(kind, tiny_models, demo_dataset, root / kind, 2)) for kind in SCRIPTS}
+                   train(kind, tiny_models, demo_dataset, root / kind, 2)) for kind in TRAIN_SCRIPTS}
 
 
 def render(pipe) -> np.ndarray:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, model_outputs, run_trainer, train_expecting_user_error
+from conftest import (TRAIN_SCRIPTS, model_args, model_outputs, run_trainer, train_expecting_user_error,
+                      trainings_run_once)
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
 from networks import lokr, merge_lora, network_base, registry
 from networks.network_base import read_lora_file, read_lora_metadata
 
-SCRIPTS = {"sdxl": "sdxl_train_network", "sd15": "train_network"}
 
 # variant -> (--network_module, --network_dim, --network_args): every module kind (Linear, 1x1 conv,
 # 3x3 conv, text encoder) and each type's conv modes.
@@ -207,15 +207,8 @@ def train_args(tiny_models, dataset: Path, kind: str, variant: str, output_dir: 
 @pytest.fixture(scope="module")
 def trained(tiny_models, one_image_dataset, tmp_path_factory):
     """variant, kind -> output folder of a 3-step run (state at step 2, final file net.safetensors)."""
-    runs = {}
-
-    def get(variant: str, kind: str) -> Path:
-        if (variant, kind) not in runs:
-            output_dir = tmp_path_factory.mktemp(f"{variant}_{kind}")
-            run_trainer(SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, output_dir))
-            runs[variant, kind] = output_dir
-        return runs[variant, kind]
-    return get
+    return trainings_run_once(tmp_path_factory, lambda variant, kind, output_dir: train_args(
+        tiny_models, one_image_dataset, kind, variant, output_dir))
 
 
 ZERO_INIT = {"networks.lora": "lora_up.weight", "networks.dylora": "lora_up.weight", "networks.lora_fa": "lora_up.weight",
@@ -254,7 +247,7 @@ def test_resume_gives_identical_bytes(variant, kind, trained, tiny_models, one_i
     (resumed / "net.safetensors").unlink()
     for extra in resumed.glob("net-step*.safetensors"):
         extra.unlink()
-    run_trainer(SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, resumed,
+    run_trainer(TRAIN_SCRIPTS[kind], train_args(tiny_models, one_image_dataset, kind, variant, resumed,
                                           "--resume", str(resumed / "net-step00000002-state")))
     assert (resumed / "net.safetensors").read_bytes() == (reference / "net.safetensors").read_bytes()
 
@@ -268,7 +261,7 @@ def test_continues_from_a_file(variant, kind, trained, tiny_models, one_image_da
         extra.append("--dim_from_weights")
     argv = train_args(tiny_models, one_image_dataset, kind, variant, tmp_path, *extra)
     argv = [item for item in argv if item not in ("--save_state",)]
-    run_trainer(SCRIPTS[kind], argv)
+    run_trainer(TRAIN_SCRIPTS[kind], argv)
     before, after = read_lora_file(str(source)), read_lora_file(str(tmp_path / "net.safetensors"))
     assert {key: value.shape for key, value in before.items()} == {key: value.shape for key, value in after.items()}
     changed = [key for key in before if not torch.equal(before[key], after[key])]
