@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import math
 import os
 import random
@@ -16,24 +15,24 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, send_to_device
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from tqdm import tqdm
 
 from library import (
-    compatibility, config_file, fault_injection, fp8_base, grad_guard, lora_files, loss_scaling, losses, model_loading,
-    noise, optimizers,
+    compatibility, config_file, fault_injection, fp8_base, grad_guard, healing, lora_files, loss_scaling, losses,
+    model_loading, nan_report, noise, optimizers,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
-from library.grad_log import GradientLog, install_flush_handlers
-from library.interrupts import StopRequest
 from library.model_loading import StableDiffusionModels
+from library.run_data import TrainingData, Window
+from library.run_outputs import RunOutputs, StepResult
 from networks import merge_lora, network_base, registry
 
 NOTHING_TO_TRAIN = "--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train"
@@ -114,6 +113,7 @@ def setup_parser() -> argparse.ArgumentParser:
     losses.add_arguments(parser)
     optimizers.add_arguments(parser)
     grad_guard.add_arguments(parser)
+    healing.add_arguments(parser)
     loss_scaling.add_arguments(parser)
     train_state.add_arguments(parser)
     fault_injection.add_arguments(parser)
@@ -185,6 +185,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
     grad_guard.validate_arguments(args)
+    healing.validate_arguments(args)
     noise.validate_arguments(args, noise.training_noise_scheduler(args.zero_terminal_snr).config.num_train_timesteps)
     fault_injection.parse_injections(args.debug_inject_grad)
     preflight.check_output_paths(args)
@@ -195,7 +196,8 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
 
 @dataclass
 class LossContext:
-    """What computing a batch's loss needs, fixed for the whole run."""
+    """What computing a batch's loss needs, fixed for the whole run. ``check_inputs``: also say per
+    sample whether the UNet's inputs (latents, frozen text-encoder outputs) are finite (quarantine)."""
 
     args: argparse.Namespace
     models: StableDiffusionModels
@@ -205,6 +207,59 @@ class LossContext:
     autocast: Any
     train_text_encoder: bool
     device: torch.device
+    check_inputs: bool = False
+
+
+@dataclass
+class Optimization:
+    """What turns gradients into updates, and what watches them: optimizer, learning-rate schedule, the
+    fp16 loss scaler (None otherwise), the gradient guard and its monitor, and the healing policy."""
+
+    trainable_params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    optimizer_name: str
+    optimizer_args: str
+    lr_scheduler: Any
+    scaler: Optional[loss_scaling.LossScaler]
+    guard: grad_guard.GradGuard
+    monitor: grad_guard.GradientMonitor
+    healer: healing.HealingPolicy
+    agree: Optional[Callable[[bool], bool]]  # the guard's decision shared by the processes
+    injections: dict[int, fault_injection.Injection]
+
+    def unscaled(self, measured: grad_guard.GradientMeasurement, args: argparse.Namespace) -> float:
+        """The measured norm without the loss scale (what the runaway test compares across scale changes)."""
+        if self.scaler is None or args.grad_norm_unscaled or not measured.scale:
+            return measured.norm
+        return measured.norm / measured.scale
+
+
+@dataclass
+class Run:
+    """One training run as the builders made it; the loop, the events and the finish read it."""
+
+    args: argparse.Namespace
+    accelerator: Accelerator
+    models: StableDiffusionModels
+    network: network_base.AdapterNetwork
+    data: TrainingData
+    loss: LossContext
+    optimization: Optimization
+    states: train_state.RunStates
+    progress: train_state.Progress
+    validator: Optional[validation.Validation]
+    writer: lora_files.LoraWriter
+    outputs: RunOutputs
+    average_loss: float = math.nan
+    stopped: Optional[str] = None  # why the self-healing stopped the run
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def save_state(self, name: str) -> bool:
+        self.outputs.flush()
+        return self.states.save(name, self.progress)
 
 
 class NetworkTrainer:
@@ -245,11 +300,58 @@ class NetworkTrainer:
 
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
+        """Build the run, train it window by window, finish it (exit code 1 when it failed)."""
+        run = self.build_run(args, explicit)
+        if run is None:  # --debug_dataset printed the first epoch's batches
+            return
+        with run.outputs:
+            self.after_start(run)
+            for window in run.data.windows(run.progress, args.max_train_steps, lambda: run.outputs.stop.requested,
+                                           on_epoch_start=run.network.train):
+                if window.trains:
+                    result = self.train_step(run, window)
+                    self.record(run, result)
+                    self.heal(run, result, window)
+                    if run.stopped:
+                        break
+                    self.after_step(run, result.step, window.epoch)
+                if window.ends_epoch:
+                    run.data.next_epoch(run.progress)
+                    self.after_epoch(run, window.epoch)
+        self.finish(run)
+
+    # -- building it -----------------------------------------------------------------------
+    def build_run(self, args: argparse.Namespace, explicit: set[str]) -> Optional[Run]:
+        """Options resolved, data, models, network, optimization, state (resumed) and outputs; None
+        after ``--debug_dataset`` has printed the batches."""
+        accelerator = self.resolve_options(args, explicit)
+        data = self.build_data(args, accelerator)
+        if data is None:
+            return None
+        models, network, loss = self.build_model(args, accelerator, data)
+        optimization = self.build_optimization(args, accelerator, network, data)
+        states, progress, resume_step = self.build_state(args, accelerator, network, optimization, data)
+        validator = validation.create(args, data.validation_dataset, accelerator,
+                                      loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
+        metadata = {} if not accelerator.is_main_process else self.run_metadata(
+            args, accelerator, models, network, data, optimization, progress)
+        print(f"training: {data.dataset.num_train_images} images, {len(data)} batches per epoch, {data.num_epochs} "
+              f"epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision} "
+              f"on {accelerator.device.type}")
+        outputs = RunOutputs(args, accelerator, with_scaler=optimization.scaler is not None,
+                             total_steps=args.max_train_steps, initial_step=progress.global_step,
+                             resume_step=resume_step)
+        return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
+                   lora_files.LoraWriter(args, metadata), outputs)
+
+    def resolve_options(self, args: argparse.Namespace, explicit: set[str]) -> Accelerator:
+        """Check every option, apply aliases and presets, start accelerate and seed the RNGs."""
         validate_arguments(args, sdxl=self.is_sdxl)
         tracking.setup_console_log(args)
         compatibility.apply_aliases(args)
         sampling.drop_unused_prompt_file(args)  # before loading: decides whether sampling keeps the VAE/text encoders
         grad_guard.apply_preset(args, explicit)
+        healing.apply_preset(args, explicit)
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
@@ -263,18 +365,28 @@ class NetworkTrainer:
             args.seed = shared_random_seed(accelerator)
             print(f"--seed not given: using {args.seed}")
         seed_everything(args.seed)
+        return accelerator
 
+    def build_data(self, args: argparse.Namespace, accelerator: Accelerator) -> Optional[TrainingData]:
+        """The datasets (checked before any model loads) and this process's loader; None after
+        ``--debug_dataset`` printed the first epoch as training would see it."""
         min_bucket_steps = 32 if self.is_sdxl else 64
         dataset = datasets.build_dataset(args, min_bucket_steps)
+        dataset.poisoned = healing.parse_sample_injections(args.debug_inject_sample)
         validation_dataset = datasets.build_validation_dataset(args, dataset, min_bucket_steps)
         if args.debug_dataset:  # captions as at the start of training (token warm-up)
             dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, 1, args.max_train_steps)
             for line in dataset.describe_epoch(1):
                 print(line)
-            return
+            return None
+        return TrainingData(args, dataset, validation_dataset, accelerator.process_index, accelerator.num_processes,
+                            accelerator.device)
+
+    def build_model(self, args: argparse.Namespace, accelerator: Accelerator, data: TrainingData
+                    ) -> tuple[StableDiffusionModels, network_base.AdapterNetwork, LossContext]:
+        """Models loaded (base weights merged, fp8), the network applied and placed, caches filled."""
         device = accelerator.device
         autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
-
         models = self.load_models(args)
         compatibility.select_attention(args, models.unet, device.type, announce=print)
         if args.base_weights:
@@ -282,9 +394,8 @@ class NetworkTrainer:
         fp8_base.store_frozen_weights(args, models, autocast_dtype)  # before the network wraps the layers
         noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
         network = self.create_network(args, models)
-        train_unet = not args.network_train_text_encoder_only
         train_text_encoder = not args.network_train_unet_only
-        network.apply_to(apply_text_encoder=train_text_encoder, apply_unet=train_unet)
+        network.apply_to(apply_text_encoder=train_text_encoder, apply_unet=not args.network_train_text_encoder_only)
         if not network.all_loras():
             raise UserError(f"--network_module {args.network_module}: no modules in the parts being trained (it has "
                             f"no text encoder modules, or --network_args excluded them all)")
@@ -296,10 +407,23 @@ class NetworkTrainer:
         self.place_models(args, models, device, autocast_dtype, train_text_encoder)
         # kohya's --full_fp16/--full_bf16: the LoRA itself in the autocast dtype (no float32 master copy).
         network.to(device, dtype=autocast_dtype if args.full_fp16 or args.full_bf16 else None)
-        dataset_caching.cache_before_training(args, dataset, models, accelerator, autocast_dtype, validation_dataset)
+        dataset_caching.cache_before_training(args, data.dataset, models, accelerator, autocast_dtype,
+                                              data.validation_dataset)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
+        loss = LossContext(
+            args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
+            torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
+            # a text encoder whose LoRA has learning rate 0 runs without recording gradients
+            train_text_encoder and any(p.requires_grad for module in network.text_encoder_loras
+                                       for p in module.parameters()),
+            device,
+            check_inputs=args.quarantine_bad_samples,
+        )
+        return models, network, loss
 
+    def build_optimization(self, args: argparse.Namespace, accelerator: Accelerator,
+                           network: network_base.AdapterNetwork, data: TrainingData) -> Optimization:
         param_groups = network.prepare_optimizer_params(
             args.text_encoder_lr, args.unet_lr, args.learning_rate,
             network_base.loraplus_ratios(network_base.parse_network_args(args.network_args)))
@@ -307,221 +431,305 @@ class NetworkTrainer:
             raise UserError(NOTHING_TO_TRAIN)
         trainable_params = [p for group in param_groups for p in group["params"]]
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
-
-        num_workers = min(args.max_data_loader_n_workers, os.cpu_count() or 1)
-        sampler = sharding.ShardSampler(dataset, accelerator.process_index, accelerator.num_processes)
-        dataloader = sharding.train_loader(dataset, sampler, num_workers, args.persistent_data_loader_workers,
-                                           args.seed)
-        steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
-        if args.max_train_epochs is not None:
-            args.max_train_steps = args.max_train_epochs * steps_per_epoch
-        num_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
-        lora_files.apply_epoch_ratio(args, num_epochs)
-        dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, accelerator.num_processes,
-                                                  args.max_train_steps)
-        validator = validation.create(args, validation_dataset, accelerator, noise_scheduler.config.num_train_timesteps,
-                                      num_workers)
+        lora_files.apply_epoch_ratio(args, data.num_epochs)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
-        scaler = loss_scaling.create_loss_scaler(args, device)
+        scaler = loss_scaling.create_loss_scaler(args, accelerator.device)
         guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
         agree = (lambda skip: grad_guard.agree_across_processes(skip, accelerator)) if accelerator.num_processes > 1 else None
-        injections = fault_injection.parse_injections(args.debug_inject_grad)
-        grad_log = GradientLog.from_args(args, with_scale=scaler is not None) if accelerator.is_main_process else None
-        log_cosine = grad_log is not None and grad_log.with_cosine
+        log_cosine = accelerator.is_main_process and args.grad_norm_log and args.grad_cosine_log
         monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        dataset = data.dataset
+        healer = healing.HealingPolicy(healing.HealingConfig.from_args(args), len(dataset.plan.images),
+                                       describe=lambda image: (dataset.plan.images[image].path,
+                                                               dataset.plan.images[image].caption))
+        return Optimization(trainable_params, optimizer, optimizer_name, optimizer_args, lr_scheduler, scaler, guard,
+                            monitor, healer, agree, fault_injection.parse_injections(args.debug_inject_grad))
 
-        # -- resume -------------------------------------------------------------------------
+    def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
+                    optimization: Optimization, data: TrainingData
+                    ) -> tuple[train_state.RunStates, train_state.Progress, Optional[int]]:
+        """The run's state store and progress, resumed when ``--resume`` finds a state; the resumed step
+        (None: a fresh run). A fresh run's initial state is its first healthy point."""
         store = train_state.StateStore(
             args.output_dir, args.output_name, train_state.protected_arguments(args, accelerator.num_processes),
             save_dtype=lora_files.SAVE_DTYPES[args.save_precision],
             before_rename=fault_injection.state_write_hook(args.debug_kill_in_state_write),
         )
-        progress_state = train_state.Progress(
+        progress = train_state.Progress(
             seed=args.seed, training_started_at=lora_metadata.wall_clock(),
             session_id=random.Random(args.seed).randint(0, 2**32),
         )
-        stateful = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "grad_guard": guard, "grad_monitor": monitor}
-        if scaler is not None:
-            stateful["loss_scaler"] = scaler
-        states = train_state.RunStates(store, network, stateful)
-        resumed = states.resume(args.resume, device)
+        stateful = {"optimizer": optimization.optimizer, "lr_scheduler": optimization.lr_scheduler,
+                    "grad_guard": optimization.guard, "grad_monitor": optimization.monitor,
+                    "healing": optimization.healer}
+        if optimization.scaler is not None:
+            stateful["loss_scaler"] = optimization.scaler
+        states = train_state.RunStates(store, network, stateful, not_captured=("healing",))
+        resumed = states.resume(args.resume, accelerator.device)
         if resumed and (args.initial_step is not None or args.initial_epoch is not None):
             print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")
-        progress_state = resumed or train_state.initial_progress(args, steps_per_epoch, progress_state)
-        resume_step = progress_state.global_step if resumed else None  # logs keep their rows up to it
-        if grad_log is not None:
-            grad_log.start(resume_step=resume_step)
+        progress = resumed or train_state.initial_progress(args, data.steps_per_epoch, progress)
+        healer = optimization.healer
+        data.quarantined = healer.quarantined_images
+        if healer.config.rewind_on_divergence and states.healthy_point is None:
+            self.capture_healthy_point(states, healer, progress)
+        return states, progress, progress.global_step if resumed else None
 
-        def save_state(name: str) -> bool:
-            return states.save(name, progress_state)
+    def run_metadata(self, args: argparse.Namespace, accelerator: Accelerator, models: StableDiffusionModels,
+                     network: network_base.AdapterNetwork, data: TrainingData, optimization: Optimization,
+                     progress: train_state.Progress) -> dict[str, str]:
+        """kohya's metadata of every LoRA file of the run (main process only)."""
+        dataset, validation_dataset = data.dataset, data.validation_dataset
+        return lora_metadata.run_metadata(args, models.kind, dataset, {
+            "session_id": progress.session_id,
+            "training_started_at": progress.training_started_at,
+            "num_train_images": dataset.num_train_images,
+            "num_reg_images": dataset.num_reg_images,
+            "num_validation_images": validation_dataset.num_train_images if validation_dataset else 0,
+            "num_batches_per_epoch": len(data),
+            "num_epochs": data.num_epochs,
+            "optimizer": optimization.optimizer_name + (f"({optimization.optimizer_args})"
+                                                        if optimization.optimizer_args else ""),
+            "network_args": network_base.parse_network_args(args.network_args),
+            "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
+        })
 
-        keep_step_states, keep_epoch_states = train_state.kept_states(args)
+    # -- one step -------------------------------------------------------------------------
+    def train_step(self, run: Run, window: Window) -> StepResult:
+        """Forward and backward the window, measure, let the guard and the healing policy decide, step."""
+        args, optimization, accelerator = run.args, run.optimization, run.accelerator
+        step = run.progress.global_step + 1
+        samples = healing.WindowSamples(accelerator.process_index, accelerator.num_processes,
+                                        args.gradient_accumulation_steps, run.data.dataset.max_batch_size)
+        window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
+                                           samples)
+        sharding.sum_gradients_across_processes(optimization.trainable_params)
+        fault_injection.inject(optimization.injections, step, accelerator.process_index, optimization.trainable_params)
+        scaler = optimization.scaler
+        measured = optimization.monitor.measure(scale=scaler.get_scale_tensor() if scaler else None,
+                                                loss=window_loss, riders=samples.reduced)
+        decision = optimization.guard.decide(step, measured.norm, optimization.agree)
+        outcome = healing.StepOutcome(
+            step, healing.WindowSamples.outcomes(measured.riders, run.data.dataset.image_index_of), measured.loss,
+            optimization.unscaled(measured, args), has_scaler=scaler is not None)
+        verdict = optimization.healer.assess(outcome)
+        if verdict.problem == "non-finite loss" and not verdict.rewind and not weights_finite(run.network):
+            verdict = optimization.healer.weights_diverged(verdict)
+        max_norm_logs = {}
+        if decision.skip or not verdict.train:
+            optimization.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer_step(args, optimization.optimizer, optimization.lr_scheduler, scaler,
+                                optimization.trainable_params)
+            if args.scale_weight_norms:
+                max_norm_logs = max_norm_scalars(run.network.apply_max_norm_regularization(args.scale_weight_norms))
+        stepped = not decision.skip and verdict.train and not (scaler is not None and scaler.last_step_skipped)
+        verdict = optimization.healer.conclude(verdict, healing.step_kind(stepped, decision.skip, verdict))
+        run.progress.global_step = step
+        return StepResult(step, window.epoch, measured.loss, measured, decision, verdict, stepped,
+                          optimization.lr_scheduler.get_last_lr(), max_norm_logs, samples=outcome.samples)
 
-        metadata = {} if not accelerator.is_main_process else lora_metadata.run_metadata(  # only the main process writes
-            args,
-            models.kind,
-            dataset,
-            {
-                "session_id": progress_state.session_id,
-                "training_started_at": progress_state.training_started_at,
-                "num_train_images": dataset.num_train_images,
-                "num_reg_images": dataset.num_reg_images,
-                "num_validation_images": validation_dataset.num_train_images if validation_dataset else 0,
-                "num_batches_per_epoch": len(dataloader),
-                "num_epochs": num_epochs,
-                "optimizer": optimizer_name + (f"({optimizer_args})" if optimizer_args else ""),
-                "network_args": network_base.parse_network_args(args.network_args),
-                "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
-            },
-        )
-        writer = lora_files.LoraWriter(args, metadata)
-        tracking.init_trackers(accelerator, args)
-        jsonl = None
-        if args.log_jsonl and accelerator.is_main_process:
-            jsonl = tracking.JsonlLog(args.log_jsonl, resume_step)
+    def record(self, run: Run, result: StepResult) -> None:
+        """The step's counts and average loss, then its row, bar, scalars and JSON line."""
+        optimization = run.optimization
+        run.average_loss = run.progress.record_loss(result.loss, window=run.data.steps_per_epoch)
+        scaler = optimization.scaler
+        run.outputs.record(result, run.average_loss, skipped=optimization.guard.skipped_steps,
+                           non_finite_losses=run.progress.non_finite_losses,
+                           overflows=scaler.overflow_count if scaler else None)
 
-        print(
-            f"training: {dataset.num_train_images} images, {len(dataloader)} batches per epoch, "
-            f"{num_epochs} epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision} "
-            f"on {device.type}"
-        )
-        run = LossContext(
-            args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
-            torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
-            # a text encoder whose LoRA has learning rate 0 runs without recording gradients
-            train_text_encoder and any(p.requires_grad for module in network.text_encoder_loras
-                                       for p in module.parameters()),
-            device,
-        )
-        progress = tqdm(
-            total=args.max_train_steps, initial=progress_state.global_step, desc="steps",
-            disable=not accelerator.is_local_main_process,
-        )
-        flush_logs = grad_log.flush if grad_log is not None else (lambda: None)
-        remove_exit_flush = install_flush_handlers(flush_logs, signals=())
-        stop = StopRequest(on_force=flush_logs)
-        avr_loss = float("nan")
+    # -- healing --------------------------------------------------------------------------
+    def heal(self, run: Run, result: StepResult, window: Window) -> None:
+        """Act on the step's healing verdict: name quarantined images, write the NaN report, rewind to
+        the healthy point or stop, or keep the state as the new healthy point (docs/healing.md)."""
+        healer, outputs, verdict = run.optimization.healer, run.outputs, result.verdict
+        for entry in verdict.quarantined:
+            outputs.event(result.step, "quarantine", entry.file,
+                          f"step {result.step}: quarantined {entry.file} (caption {entry.caption!r}): {entry.reason}; "
+                          f"it is left out for the rest of the run",
+                          count=("train/quarantined_samples", len(healer.quarantine)),
+                          fields={"file": entry.file, "caption": entry.caption, "reason": entry.reason})
+        run.data.quarantined = healer.quarantined_images
+        if verdict.report and run.args.nan_report:
+            self.write_nan_report(run, result, window)
+        if verdict.stop:
+            run.stopped = f"step {result.step}: {verdict.stop_reason}"
+        elif verdict.rewind:
+            self.rewind(run, result.step, verdict.rewind)
+        elif healer.snapshot_due(result.step, result.stepped):
+            self.capture_healthy_point(run.states, healer, run.progress)
+            outputs.event(result.step, "healthy", "")
 
-        def validate(kind: str, where: str) -> None:
-            """A validation pass on every process; its scalars are logged at the current step like the step's."""
-            scalars = validator.run(kind, network, functools.partial(self.validation_loss, run), avr_loss, where)
-            accelerator.log(scalars, step=progress_state.global_step)
-            if jsonl is not None:
-                jsonl.append(progress_state.global_step, scalars)
+    @staticmethod
+    def capture_healthy_point(states: train_state.RunStates, healer: healing.HealingPolicy,
+                              progress: train_state.Progress) -> None:
+        states.capture(progress.global_step, position=(progress.epoch, progress.batches_done))
+        healer.mark_healthy(progress.global_step)
 
-        try:
-            # Schedule-free optimizers: samples, validation and files see the averaged weights (eval
-            # mode). A resumed state was saved in eval mode: train mode comes after this sample.
-            with optimizers.averaged_weights(optimizer):
-                sampling.sample_images(args, accelerator, models, network, device, when="first",
-                                       step=progress_state.global_step)
-            while progress_state.global_step < args.max_train_steps:
-                epoch = progress_state.epoch
-                first_step = progress_state.global_step - progress_state.batches_done // args.gradient_accumulation_steps
-                dataset.set_epoch(epoch, first_step)
-                sampler.start_at(progress_state.batches_done)
-                network.train()
-                batches = iter(dataloader)
-                while progress_state.global_step < args.max_train_steps and not stop.requested:
-                    window = [send_to_device(batch, device)
-                              for batch in itertools.islice(batches, args.gradient_accumulation_steps)]
-                    if not window:
-                        break
-                    window_loss = self.backward_window(run, window, epoch, accelerator, scaler)
-                    sharding.sum_gradients_across_processes(trainable_params)
-                    step = progress_state.global_step + 1
-                    fault_injection.inject(injections, step, accelerator.process_index, trainable_params)
-                    measured = monitor.measure(scale=scaler.get_scale() if scaler else None, loss=window_loss)
-                    loss_value = measured.loss
-                    decision = guard.decide(step, measured.norm, agree)
-                    max_norm_logs = {}
-                    if decision.skip:
-                        optimizer.zero_grad(set_to_none=True)
-                    else:
-                        self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
-                        if args.scale_weight_norms:
-                            max_norm_logs = max_norm_scalars(network.apply_max_norm_regularization(args.scale_weight_norms))
-                    progress_state.global_step = step
-                    progress_state.batches_done += len(window)
-                    avr_loss = progress_state.record_loss(loss_value, window=steps_per_epoch)
-                    if grad_log is not None:
-                        grad_log.append(
-                            epoch=epoch, step=step, norm=measured.norm, threshold=decision.threshold,
-                            loss=loss_value, thresh_off=decision.thresh_off,
-                            scale=measured.scale if scaler else None, cosine=measured.cosine if log_cosine else None,
-                        )
-                    logs = self.report(args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-                                       loss_value, avr_loss, measured, decision, max_norm_logs)
-                    if jsonl is not None:
-                        jsonl.append(step, logs)
-                    with optimizers.averaged_weights(optimizer):  # every step on every process, as kohya
-                        if validator is not None and validator.due_after_step(step):  # before this step's state
-                            validate("step", f"after step {step}")
-                        if accelerator.is_main_process:
-                            writer.on_step(network, step, epoch)
-                            sampling.sample_images(args, accelerator, models, network, device, when="step",
-                                                   step=step)
-                            if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
-                                flush_logs()
-                                if save_state(train_state.step_state_name(args.output_name, step)):
-                                    store.rotate("step", step, args.save_every_n_steps, keep_step_states)
-                if stop.requested:
-                    break
-                if progress_state.batches_done >= len(dataloader):  # the epoch is complete
-                    progress_state.epoch += 1
-                    progress_state.batches_done = 0
-                    with optimizers.averaged_weights(optimizer):
-                        if validator is not None and validator.due_after_epoch(epoch):
-                            validate("epoch", f"after epoch {epoch} (step {progress_state.global_step})")
-                        if accelerator.is_main_process:
-                            writer.on_epoch_end(network, progress_state.global_step, epoch,
-                                                is_last_epoch=epoch == num_epochs)
-                            sampling.sample_images(args, accelerator, models, network, device, when="epoch",
-                                                   step=progress_state.global_step, epoch=epoch)
-                            every = args.save_every_n_epochs
-                            if args.save_state and every and epoch % every == 0 and epoch != num_epochs:
-                                flush_logs()
-                                if save_state(train_state.epoch_state_name(args.output_name, epoch)):
-                                    store.rotate("epoch", epoch, every, keep_epoch_states)
-        finally:
-            progress.close()
-            flush_logs()
-            remove_exit_flush()
-            stop.uninstall()
-            if jsonl is not None:
-                jsonl.close()
-            accelerator.end_training()
+    def rewind(self, run: Run, step: int, reason: str) -> None:
+        """Back to the healthy point: its weights, optimizer, schedule, scaler, guard and RNG; a lower
+        learning rate; the batches trained since then are not trained again (the data goes on)."""
+        optimization, healer = run.optimization, run.optimization.healer
+        batches_skipped = run.data.batches_since(run.states.healthy_point["position"], run.progress)
+        event = healer.rewound(step, reason, batches_skipped)
+        run.states.restore(run.device)
+        lowered = healing.scale_learning_rates(optimization.optimizer, optimization.lr_scheduler,
+                                               healer.lr_multiplier)
+        run.progress.loss_history = []  # the average restarts from the healthy point's weights
+        rates = healing.describe_rates(healing.learning_rates(optimization.optimizer))
+        run.outputs.event(
+            step, "rewind", str(event.to_step),
+            f"step {step}: {reason}: rewound to the healthy point of step {event.to_step}, learning rate now {rates}"
+            + ("" if lowered else " (unchanged: the optimizer sets its own step size)")
+            + f", {batches_skipped} batches of the diverged span skipped (rewind {len(healer.rewinds)} of "
+              f"{healer.config.max_rewinds})",
+            count=("train/rewinds", len(healer.rewinds)),
+            fields={"to_step": event.to_step, "reason": reason, "learning_rate": event.lr_scale * run.args.learning_rate,
+                    "lr_scale": event.lr_scale, "batches_skipped": batches_skipped})
 
+    def write_nan_report(self, run: Run, result: StepResult, window: Window) -> None:
+        """The first non-finite loss (with a re-run of the forward under hooks) or gradient, explained
+        in ``<output_name>-nan_report.txt`` (main process)."""
+        if not run.accelerator.is_main_process:
+            return
+        kind, healer = result.verdict.report, run.optimization.healer
+        dataset = run.data.dataset
+        samples = [nan_report.SampleLine(dataset.image_of(sample.sample_id).path,
+                                         dataset.image_of(sample.sample_id).caption, sample.loss,
+                                         sample.image in healer.quarantined_images)
+                   for sample in result.samples]
+        probe = self.probe_forward(run, window) if kind == "loss" else None
+        path = nan_report.report_path(run.args.output_dir, run.args.output_name)
+        text = nan_report.format_report(
+            kind, result.step, result.epoch, samples, probe,
+            result.measured.scale if run.optimization.scaler else None, list(healer.recent_norms),
+            healing.learning_rates(run.optimization.optimizer), healing.report_note(result.verdict,
+                                                                                  run.optimization.scaler is not None))
+        nan_report.write_report(path, text, start_new=len(healer.reported) == 1)
+        tqdm.write(f"step {result.step}: first non-finite {kind}; what it was: {path}")
+
+    def probe_forward(self, run: Run, window: Window) -> nan_report.ForwardProbe:
+        """Re-run the window's forward (no gradient, the RNGs put back) with hooks on every module."""
+        models = run.models
+        named = [("unet", models.unet)] + ([(f"text_encoder{index + 1}", encoder)
+                                            for index, encoder in enumerate(models.text_encoders)]
+                                           if run.loss.train_text_encoder else [])
+        devices = [run.device] if run.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), \
+                nan_report.probe_forward(named, models.unet) as probe:
+            for batch in window.batches:
+                plan = self.plan_loss(run.loss, batch, window.epoch)
+                with run.loss.autocast:
+                    self.compute_loss(run.loss, batch, window.epoch, plan)
+        return probe
+
+    # -- events -----------------------------------------------------------------------------
+    def after_start(self, run: Run) -> None:
+        # Schedule-free optimizers: samples, validation and files see the averaged weights (eval
+        # mode). A resumed state was saved in eval mode: train mode comes after this sample.
+        with optimizers.averaged_weights(run.optimization.optimizer):
+            sampling.sample_images(run.args, run.accelerator, run.models, run.network, run.device, when="first",
+                                   step=run.progress.global_step)
+
+    def after_step(self, run: Run, step: int, epoch: int) -> None:
+        """Validation, LoRA file, sample images and state of a step save point (every process calls it)."""
+        args = run.args
+        with optimizers.averaged_weights(run.optimization.optimizer):  # every step on every process, as kohya
+            if run.validator is not None and run.validator.due_after_step(step):  # before this step's state
+                self.validate(run, "step", f"after step {step}")
+            if run.accelerator.is_main_process:
+                run.writer.on_step(run.network, step, epoch)
+                sampling.sample_images(args, run.accelerator, run.models, run.network, run.device, when="step",
+                                       step=step)
+                if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
+                    if run.save_state(train_state.step_state_name(args.output_name, step)):
+                        run.states.store.rotate("step", step, args.save_every_n_steps,
+                                                train_state.kept_states(args)[0])
+
+    def after_epoch(self, run: Run, epoch: int) -> None:
+        """Validation, LoRA file, sample images and state of an epoch save point."""
+        args, step = run.args, run.progress.global_step
+        with optimizers.averaged_weights(run.optimization.optimizer):
+            if run.validator is not None and run.validator.due_after_epoch(epoch):
+                self.validate(run, "epoch", f"after epoch {epoch} (step {step})")
+            if run.accelerator.is_main_process:
+                run.writer.on_epoch_end(run.network, step, epoch, is_last_epoch=epoch == run.data.num_epochs)
+                sampling.sample_images(args, run.accelerator, run.models, run.network, run.device, when="epoch",
+                                       step=step, epoch=epoch)
+                every = args.save_every_n_epochs
+                if args.save_state and every and epoch % every == 0 and epoch != run.data.num_epochs:
+                    if run.save_state(train_state.epoch_state_name(args.output_name, epoch)):
+                        run.states.store.rotate("epoch", epoch, every, train_state.kept_states(args)[1])
+
+    def validate(self, run: Run, kind: str, where: str) -> None:
+        """A validation pass on every process; its scalars are logged at the current step like the step's."""
+        scalars = run.validator.run(kind, run.network, functools.partial(self.validation_loss, run.loss),
+                                    run.average_loss, where)
+        run.outputs.scalars(run.progress.global_step, scalars)
+
+    # -- the end ----------------------------------------------------------------------------
+    def finish(self, run: Run) -> None:
+        """Interrupted: state and exit code 128 + signal. Stopped by the healing, or failed at the end:
+        the last healthy weights, one line, exit code 1. Otherwise the final file, state and summary."""
+        args, accelerator, progress, stop = run.args, run.accelerator, run.progress, run.outputs.stop
+        healer = run.optimization.healer
         if stop.requested:
             if args.save_state and accelerator.is_main_process:
-                saved = save_state(train_state.step_state_name(args.output_name, progress_state.global_step))
-                print(f"interrupted at step {progress_state.global_step}; "
+                saved = run.save_state(train_state.step_state_name(args.output_name, progress.global_step))
+                print(f"interrupted at step {progress.global_step}; "
                       + ("state saved" if saved else "its state was refused (see above)")
                       + ". Resume with the same command plus --resume auto", flush=True)
             else:
-                print(f"interrupted at step {progress_state.global_step}; no state saved (--save_state is off)",
+                print(f"interrupted at step {progress.global_step}; no state saved (--save_state is off)",
                       flush=True)
             sys.exit(stop.exit_code)
+        failure = run.stopped or healer.failure_at_end()
+        if failure:
+            self.finish_failed(run, failure)
         # schedule-free: the file holds the averaged weights (an interrupted run's state, above, stays in train mode)
-        optimizers.enter_eval_mode(optimizer)
+        optimizers.enter_eval_mode(run.optimization.optimizer)
         if args.debug_report_weights:
-            fault_injection.report_weights(accelerator.process_index, network.lora_state_dict())
+            fault_injection.report_weights(accelerator.process_index, run.network.lora_state_dict())
         if accelerator.is_main_process:
-            epoch = progress_state.epoch - (1 if progress_state.batches_done == 0 else 0)
-            saved = writer.write(network, lora_files.final_file_name(args.output_name),
-                                 progress_state.global_step, epoch)
+            epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
+            run.writer.metadata.update(healer.metadata())
+            saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name), progress.global_step,
+                                     epoch)
             if args.save_state or args.save_state_on_train_end:  # kohya: --save_state also saves the last state
-                save_state(train_state.final_state_name(args.output_name))
+                run.save_state(train_state.final_state_name(args.output_name))
             if saved is None:
                 sys.exit(1)
-        print(f"done: {progress_state.global_step} steps, final average loss {avr_loss:.4f}, "
-              f"skipped steps {guard.skipped_steps}")
+        print("done: " + healer.summary(progress.global_step, run.average_loss, len(progress.loss_history),
+                                        healing.learning_rates(run.optimization.optimizer)))
+
+    def finish_failed(self, run: Run, failure: str) -> None:
+        """Write the last healthy weights as ``<output_name>-last_healthy.safetensors`` (the healthy point,
+        or without one the current weights, which no failed step changed) and exit with code 1."""
+        args, progress, healer = run.args, run.progress, run.optimization.healer
+        summary = healer.summary(progress.global_step, run.average_loss, len(progress.loss_history),
+                                 healing.learning_rates(run.optimization.optimizer))
+        written = None
+        if run.states.healthy_point is not None:
+            weights_step = run.states.restore(run.device)
+            optimizers.enter_eval_mode(run.optimization.optimizer)
+            if run.accelerator.is_main_process:
+                run.writer.metadata.update(healer.metadata())
+                run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
+                written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
+                                           weights_step, progress.epoch)
+        print(f"failed: {failure}; "
+              + (f"the last healthy weights (step {weights_step}) are in {written}" if written else
+                 "no weights written (no healthy point is kept without --rewind_on_divergence)")
+              + f"; {summary}", flush=True)
+        sys.exit(1)
 
     def backward_window(
         self, run: "LossContext", window: list[dict[str, Any]], epoch: int, accelerator: Accelerator, scaler,
+        samples: Optional[healing.WindowSamples] = None,
     ) -> torch.Tensor:
         """Forward and backward every micro-batch of one accumulation window; returns the window's loss
-        (a 0-dim tensor: the gradient monitor reads it in its one host sync per step).
+        (a 0-dim tensor: the gradient monitor reads it in its one host sync per step). ``samples``
+        collects each sample's loss and input finiteness, summed over processes with the window loss.
 
         The loss is normalised over the whole window and all processes (``--loss_normalization
         exact``): the weight denominator is known before the first backward, because weights
@@ -541,41 +749,12 @@ class NetworkTrainer:
             objective = losses.micro_batch_objective(result.loss_sum, denominator, 1.0)
             accelerator.backward(scaler.scale(objective) if scaler else objective)
             window_loss_sum += result.loss_sum.detach()
-        total = accelerator.reduce(window_loss_sum, reduction="sum")
-        return losses.normalize(total, denominator)
-
-    def report(self, args, accelerator, progress, progress_state, guard, scaler, lr_scheduler,
-               loss_value: float, avr_loss: float, measured, decision, max_norm_logs: dict[str, float]
-               ) -> dict[str, float]:
-        """Progress bar postfix and tracker scalars of one optimizer step."""
-        postfix = {"avr_loss": f"{avr_loss:.4f}"}
-        if max_norm_logs:  # kohya's progress bar names
-            postfix["Keys Scaled"] = int(max_norm_logs["max_norm/keys_scaled"])
-            postfix["Average key norm"] = f"{max_norm_logs['max_norm/average_key_norm']:.4f}"
-        if args.skip_grad_norm:
-            postfix["skipped"] = guard.skipped_steps
-        if progress_state.non_finite_losses:
-            postfix["nonfinite"] = progress_state.non_finite_losses
-        if scaler:
-            postfix["overflows"] = scaler.overflow_count
-        progress.set_postfix(postfix, refresh=False)
-        progress.update(1)
-        logs = {
-            "loss/current": loss_value,
-            "loss/average": avr_loss,
-            "train/skipped_steps": guard.skipped_steps,
-            "train/grad_norm": measured.norm,
-            "train/grad_threshold": decision.threshold,
-        }
-        if scaler:
-            logs["train/loss_scale"] = measured.scale
-        if args.grad_cosine_log and args.grad_norm_log:
-            logs["train/grad_cosine"] = measured.cosine
-        for index, lr in enumerate(lr_scheduler.get_last_lr()):
-            logs[f"lr/group{index}"] = lr
-        logs.update(max_norm_logs)
-        accelerator.log(logs, step=progress_state.global_step)
-        return logs
+            if samples is not None:
+                samples.add(batch["sample_indices"], result.per_sample, result.inputs_finite, "padding" in batch)
+        if samples is None:
+            return losses.normalize(accelerator.reduce(window_loss_sum, reduction="sum"), denominator)
+        samples.reduced = accelerator.reduce(samples.vector(window_loss_sum), reduction="sum")
+        return losses.normalize(samples.reduced[0], denominator)
 
     # -- pieces of the loop --------------------------------------------------------------
     def create_network(self, args: argparse.Namespace, models: StableDiffusionModels) -> network_base.AdapterNetwork:
@@ -682,7 +861,11 @@ class NetworkTrainer:
         prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
         target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                          args.v_parameterization)
-        return losses.batch_loss(prediction, target, plan, run.loss_options)
+        result = losses.batch_loss(prediction, target, plan, run.loss_options)
+        if run.check_inputs:  # the inputs a sample brings: its latents, and the text conditioning when frozen
+            frozen_conditioning = () if run.train_text_encoder and "text_encoder_outputs" not in batch else (conditioning,)
+            result.inputs_finite = healing.inputs_finite(latents, *frozen_conditioning)
+        return result
 
     def validation_loss(
         self, run: "LossContext", batch: dict[str, Any], timesteps: torch.Tensor, epoch: int, seed: int
@@ -695,7 +878,8 @@ class NetworkTrainer:
         return losses.normalize(result.loss_sum, result.weight_sum), result.weight_sum
 
     def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
-        """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped."""
+        """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped (the
+        scaler's ``last_step_skipped`` tells the caller)."""
         if scaler is not None:
             scaler.unscale_(optimizer)
         if args.max_grad_norm:
@@ -733,6 +917,12 @@ def max_norm_scalars(stats: network_base.MaxNormStats) -> dict[str, float]:
             "max_norm/max_key_norm": max_norm}
 
 
+def weights_finite(network: torch.nn.Module) -> bool:
+    """Whether every trainable weight is finite (a host sync: only on the non-finite-loss path)."""
+    parameters = [parameter for parameter in network.parameters() if parameter.requires_grad]
+    return bool(torch.stack([torch.isfinite(parameter).all() for parameter in parameters]).all())
+
+
 def shared_random_seed(accelerator: Accelerator) -> int:
     """A random seed for a run without ``--seed``, the same on every process (drawn by the main one)."""
     seed = [random.randint(0, 2**31 - 1)]
@@ -756,3 +946,4 @@ def main(trainer_class: type = NetworkTrainer, parser_factory=setup_parser, argv
 
 if __name__ == "__main__":
     exit_on_user_error(main)
+

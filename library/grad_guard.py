@@ -458,12 +458,14 @@ class GradientMeasurement:
     ``--grad_norm_unscaled``); ``cosine``: similarity to the previous step's gradient
     (NaN when off, on the first step, or when either norm is 0 or not finite);
     ``scale``: the scale passed in (1.0 without a scaler); ``loss``: the ``loss`` tensor passed
-    in, read in the same host sync (NaN when none was passed)."""
+    in, read in the same host sync (NaN when none was passed); ``riders``: the values of the 1-D
+    ``riders`` tensor passed in, read in that sync too (the healing policy's per-sample losses)."""
 
     norm: float
     cosine: float
     scale: float
     loss: float = math.nan
+    riders: list[float] = dataclasses.field(default_factory=list)
 
 
 class GradientMonitor:
@@ -510,11 +512,12 @@ class GradientMonitor:
                 self._buffers.append(flat)
                 self._views.append(_views_into(flat, self._parameters))
 
-    def measure(self, scale: float | torch.Tensor | None = None,
-                loss: torch.Tensor | None = None) -> GradientMeasurement:
+    def measure(self, scale: float | torch.Tensor | None = None, loss: torch.Tensor | None = None,
+                riders: torch.Tensor | None = None) -> GradientMeasurement:
         """Measure the current gradients. ``scale``: the GradScaler's current scale (pass the
-        scale tensor to avoid a second sync), None without a scaler. With cosine, the current
-        gradient becomes the previous one."""
+        scale tensor to avoid a second sync), None without a scaler. ``loss`` (0-dim) and ``riders``
+        (1-D) are read in the same host sync. With cosine, the current gradient becomes the
+        previous one."""
         grads = [parameter.grad for parameter in self._parameters]
         if self.cosine:
             per_tensor, dot = self._norms_copy_and_dot(grads)
@@ -532,7 +535,12 @@ class GradientMonitor:
             scalars.append(scale.detach().reshape(()).to(device=scaled_norm.device, dtype=torch.float32))
         if loss is not None:  # the step's loss rides along, so bookkeeping costs no extra sync
             scalars.append(loss.detach().reshape(()).to(device=scaled_norm.device, dtype=torch.float32))
-        values = torch.stack(scalars).tolist()  # the one host sync
+        stacked = torch.stack(scalars)
+        if riders is not None:
+            stacked = torch.cat([stacked, riders.detach().reshape(-1).to(device=stacked.device, dtype=torch.float32)])
+        values = stacked.tolist()  # the one host sync
+        rider_values = values[len(scalars):]
+        del values[len(scalars):]
 
         loss_value = values.pop() if loss is not None else math.nan
         raw_norm = values[0]
@@ -547,7 +555,7 @@ class GradientMonitor:
         norm = raw_norm
         if self.unscaled:
             norm = raw_norm / scale_value if scale_value else math.nan
-        return GradientMeasurement(norm=norm, cosine=cosine, scale=scale_value, loss=loss_value)
+        return GradientMeasurement(norm=norm, cosine=cosine, scale=scale_value, loss=loss_value, riders=rider_values)
 
     def _norms_copy_and_dot(self, grads: list[torch.Tensor | None]
                             ) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import csv
+import io
 import logging
 import math
 import os
@@ -33,6 +34,8 @@ from library.errors import UserError
 logger = logging.getLogger(__name__)
 
 LOG_FILE_PREFIX = "gradient_logs+"
+EVENTS_FILE_PREFIX = "healing_log+"
+EVENT_COLUMNS = ("Step", "Event", "Detail")
 DEFAULT_OUTPUT_NAME = "last"
 FLUSH_EVERY_ROWS = 100
 BASE_COLUMNS = ("Epoch", "Step", "Gradient Norm", "Threshold", "Loss", "ThreshOff")
@@ -106,6 +109,8 @@ class GradientLog:
         self._flushing = False
         # Rows the file starts from, written at the first flush (see start); None: use the file as it is.
         self._kept_rows: list[list[str]] | None = None
+        # The self-healing events of the same steps, in their own file beside this one (EventLog).
+        self.events = EventLog(events_path(self.path))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, with_scale: bool) -> GradientLog | None:
@@ -136,6 +141,7 @@ class GradientLog:
         checked now (UserError for a file that is not a gradient log) but written only at the
         first flush, so a run that fails before its first row leaves an old log as it was."""
         self._kept_rows = [] if resume_step is None else self._rows_up_to(resume_step)
+        self.events.start(resume_step)
 
     def append(self, *, epoch: int, step: int, norm: float, threshold: float, loss: float, thresh_off: int,
                scale: float | None = None, cosine: float | None = None) -> None:
@@ -158,6 +164,7 @@ class GradientLog:
         """Append the pending rows, then flush and fsync. Safe to call any time, also re-entrantly
         from a signal handler (a nested call returns at once)."""
         if self._flushing or not self._pending:
+            self.events.flush(log_started=self._kept_rows is None)
             return
         self._flushing = True
         try:
@@ -175,6 +182,7 @@ class GradientLog:
                 file.flush()
                 os.fsync(file.fileno())
             del self._pending[:count]
+            self.events.flush(log_started=True)
         finally:
             self._flushing = False
 
@@ -214,15 +222,90 @@ class GradientLog:
         return kept
 
     def _rewrite(self, rows: Iterable[list[str]]) -> None:
-        """Atomically replace the file with the header and ``rows`` (temp file, fsync, rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        with open(temporary, "w", encoding="utf-8", newline="") as file:
-            file.write(",".join(self.columns) + "\n")
-            file.writelines(",".join(row) + "\n" for row in rows)
+        """Atomically replace the file with the header and ``rows``."""
+        _replace_text(self.path, ",".join(self.columns) + "\n" + "".join(",".join(row) + "\n" for row in rows))
+
+
+def events_path(log_path: str | os.PathLike[str]) -> Path:
+    """The events file beside the gradient log at ``log_path`` (``gradient_logs+X.txt`` -> ``healing_log+X.txt``)."""
+    path = Path(log_path)
+    name = path.name[len(LOG_FILE_PREFIX):] if path.name.startswith(LOG_FILE_PREFIX) else path.name
+    return path.with_name(EVENTS_FILE_PREFIX + name)
+
+
+class EventLog:
+    """The self-healing events of a run (``healing_log+<output_name>.txt`` beside the gradient log):
+    CSV ``Step,Event,Detail``, one row per event (``healthy``: the state after Step is the healthy
+    point; ``rewind``: back to the healthy point of the step in Detail; ``quarantine``: the image in
+    Detail). The replay and plot tools read it. Written only when there are events, with the gradient
+    log: its rows go to disk when the gradient log's do, and a fresh run's first gradient-log write
+    replaces an old events file (a resumed run keeps the rows up to its step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pending: list[str] = []
+        self._kept_rows: list[list[str]] | None = None
+
+    def start(self, resume_step: int | None) -> None:
+        self._kept_rows = [] if resume_step is None else read_events(self.path, up_to=resume_step)
+
+    def append(self, step: int, event: str, detail: str) -> None:
+        self._pending.append(_csv_line([str(int(step)), event, detail]))
+
+    def flush(self, log_started: bool) -> None:
+        """Write what is pending, once the gradient log has started writing (``log_started``)."""
+        if not log_started:
+            return
+        if self._kept_rows is not None:
+            kept, self._kept_rows = self._kept_rows, None
+            if kept or self._pending or self.path.exists():
+                if not kept and not self._pending:
+                    self.path.unlink()
+                    return
+                _replace_text(self.path, _csv_line(EVENT_COLUMNS) + "".join(_csv_line(row) for row in kept))
+        if not self._pending:
+            return
+        text = "".join(self._pending)
+        if not self.path.exists():
+            text = _csv_line(EVENT_COLUMNS) + text
+        with open(self.path, "a", encoding="utf-8", newline="") as file:
+            file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+        self._pending.clear()
+
+
+def read_events(path: str | os.PathLike[str], up_to: int | None = None) -> list[list[str]]:
+    """The rows (Step, Event, Detail) of an events file, those with Step <= ``up_to`` when given; [] when
+    there is none. Torn rows (a crash mid-write) are dropped."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", newline="") as file:
+        rows = list(csv.reader(file))
+    kept = []
+    for row in rows[1:]:
+        if len(row) != len(EVENT_COLUMNS) or not row[0].isdigit():
+            continue
+        if up_to is None or int(row[0]) <= up_to:
+            kept.append(row)
+    return kept
+
+
+def _csv_line(values: Iterable[str]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(values)
+    return buffer.getvalue()
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Atomically replace ``path`` by ``text`` (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8", newline="") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
 
 
 def install_flush_handlers(flush: Callable[[], None],

@@ -83,6 +83,11 @@ def final_file_name(output_name: str) -> str:
     return f"{output_name}.safetensors"
 
 
+def last_healthy_file_name(output_name: str) -> str:
+    """The file a failed run writes its last healthy weights to (the final name stays free)."""
+    return f"{output_name}-last_healthy.safetensors"
+
+
 # -- rotation: kohya's formulas (train_util.get_remove_step_no / get_remove_epoch_no), for files and states
 def step_to_remove(step: int, every: int, keep: Optional[int]) -> Optional[int]:
     """The save point that falls out of "the last ``keep`` steps" once step ``step`` is saved

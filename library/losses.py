@@ -319,10 +319,14 @@ def batch_weights(
 
 @dataclass
 class WeightedLoss:
-    """A micro-batch's loss: ``loss_sum`` fp32 scalar carrying the graph, ``weight_sum`` fp32 scalar."""
+    """A micro-batch's loss: ``loss_sum`` fp32 scalar carrying the graph, ``weight_sum`` fp32 scalar,
+    ``per_sample`` fp32 (B,) detached: each sample's mean loss over its latent elements (masked ones
+    count 0, weights not applied), and ``inputs_finite`` bool (B,) when the trainer checked its inputs."""
 
     loss_sum: torch.Tensor
     weight_sum: torch.Tensor
+    per_sample: Optional[torch.Tensor] = None
+    inputs_finite: Optional[torch.Tensor] = None
 
 
 def batch_loss(
@@ -339,10 +343,12 @@ def batch_loss(
     if weights.mask is not None:
         loss = loss * weights.mask.to(device)
     reduce_dims = list(range(1, loss.dim()))
-    per_sample = loss.mean(dim=reduce_dims) if options.loss_normalization == "micro" else loss.sum(dim=reduce_dims)
+    micro = options.loss_normalization == "micro"
+    per_sample = loss.mean(dim=reduce_dims) if micro else loss.sum(dim=reduce_dims)
     weighted = per_sample * weights.per_sample.to(device)
-    loss_sum = weighted.mean() if options.loss_normalization == "micro" else weighted.sum()
-    return WeightedLoss(loss_sum, weights.weight_sum.to(device))
+    loss_sum = weighted.mean() if micro else weighted.sum()
+    per_sample_mean = per_sample if micro else per_sample / (loss[0].numel() if loss.shape[0] else 1)
+    return WeightedLoss(loss_sum, weights.weight_sum.to(device), per_sample_mean.detach())
 
 
 # --------------------------------------------------------------------------- per window

@@ -43,6 +43,11 @@ class ShardSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return self.batches_per_process()
 
+    def dataset_indices(self, position: int) -> list[int]:
+        """The dataset batch each process trains at its ``position`` (padding: the batch it copies)."""
+        total = len(self.dataset)
+        return [(position * self.world_size + rank) % total for rank in range(self.world_size)]
+
 
 class PaddedBatches(torch.utils.data.Dataset):
     """Resolves ``ShardSampler`` indices; a padding index gives a batch that weighs nothing."""
@@ -57,6 +62,7 @@ class PaddedBatches(torch.utils.data.Dataset):
         if index >= 0:
             return self.dataset[index]
         batch = dict(self.dataset[-1 - index])
+        batch["padding"] = True
         batch["loss_weights"] = torch.zeros_like(batch["loss_weights"])
         images = batch.get("latents", batch.get("images"))
         batch["alpha_masks"] = torch.zeros((images.shape[0], images.shape[2], images.shape[3]))

@@ -13,6 +13,7 @@ rotates away and hides no good state.
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -134,6 +135,8 @@ class Progress:
     session_id: int = 0
     non_finite_losses: int = 0
     loss_history: list[float] = field(default_factory=list)
+    # the global step the current epoch's first batch trains after (token warm-up); None: not yet known
+    epoch_first_step: Optional[int] = None
 
     def record_loss(self, loss: float, window: int) -> float:
         """Add a step's loss; returns the moving average over the last ``window`` finite losses
@@ -443,14 +446,72 @@ class StateStore:
         return TrainingState(path, progress, load_file(path / "lora.safetensors"), components, rng)
 
 
+def copied(value: Any, device: torch.device | str = "cpu") -> Any:
+    """A deep copy of a state (nested dicts, lists, tuples) with every tensor copied to ``device``, so
+    that neither the copy nor what is later loaded from it shares memory with the live objects."""
+    if torch.is_tensor(value):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, dict):
+        return type(value)((key, copied(item, device)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(copied(item, device) for item in value)
+    return copy.deepcopy(value)
+
+
+HEALTHY_POINT = "healthy_point"
+"""Where a state folder's ``components.pt`` keeps the in-memory healthy point (see ``RunStates.capture``)."""
+
+
 class RunStates:
     """Saving and resuming one run's state: the LoRA ``network`` and the stateful ``components``
-    (name -> object with ``state_dict``/``load_state_dict``: optimizer, LR schedule, guard, ...)."""
+    (name -> object with ``state_dict``/``load_state_dict``: optimizer, LR schedule, guard, ...),
+    and an in-memory copy of them, the *healthy point*, that a diverging run rewinds to.
 
-    def __init__(self, store: StateStore, network: torch.nn.Module, components: dict[str, Any]) -> None:
+    The healthy point is saved with every state, so a resumed run rewinds exactly as the
+    uninterrupted one. ``not_captured``: components the healthy point leaves out (the healing
+    policy itself, whose rewind history must survive the rewind).
+    """
+
+    def __init__(self, store: StateStore, network: torch.nn.Module, components: dict[str, Any],
+                 not_captured: tuple[str, ...] = ()) -> None:
         self.store = store
         self.network = network
         self.components = components
+        self.not_captured = not_captured
+        self.healthy_point: Optional[dict[str, Any]] = None
+
+    def capture(self, step: int, position: tuple[int, int]) -> None:
+        """Copy the network, the captured components and the RNGs into CPU memory as the state after
+        ``step``; ``position``: (epoch, batches done) of the data then."""
+        self.healthy_point = {
+            "step": step,
+            "position": list(position),
+            "network": copied(self.network.training_state_dict()),
+            "components": {name: copied(component.state_dict()) for name, component in self.components.items()
+                           if name not in self.not_captured},
+            "rng": copied(rng_state()),
+        }
+
+    def restore(self, device: torch.device) -> int:
+        """Put the healthy point back into the live objects (copies: it can be restored again); its step."""
+        point = self.healthy_point
+        self.network.load_training_state_dict({key: value.to(device) for key, value in point["network"].items()})
+        for name, state in point["components"].items():
+            self.components[name].load_state_dict(copied(state))
+        set_rng_state(copied(point["rng"]))
+        return point["step"]
+
+    def healthy_point_bytes(self) -> int:
+        """Memory the healthy point holds (its tensors)."""
+        def size(value: Any) -> int:
+            if torch.is_tensor(value):
+                return value.numel() * value.element_size()
+            if isinstance(value, dict):
+                return sum(size(item) for item in value.values())
+            if isinstance(value, (list, tuple)):
+                return sum(size(item) for item in value)
+            return 0
+        return size(self.healthy_point or {})
 
     def resume(self, resume: Optional[str], device: torch.device) -> Optional[Progress]:
         """Load the state ``--resume`` names (a folder, or "auto") into the network, the components
@@ -461,6 +522,7 @@ class RunStates:
             return None
         state = self.store.load(path)
         self.network.load_training_state_dict({key: value.to(device) for key, value in state.lora.items()})
+        self.healthy_point = state.components.get(HEALTHY_POINT)
         for name, component in self.components.items():
             try:
                 component.load_state_dict(state.components[name])
@@ -474,4 +536,6 @@ class RunStates:
     def save(self, name: str, progress: Progress) -> bool:
         """Write state folder ``name`` (atomically, see ``StateStore.save``); False when refused."""
         components = {key: component.state_dict() for key, component in self.components.items()}
+        if self.healthy_point is not None:
+            components[HEALTHY_POINT] = self.healthy_point
         return self.store.save(name, progress, self.network.training_state_dict(), components) is not None

@@ -116,7 +116,7 @@ def test_guard_skip_decided_on_one_rank_is_taken_by_both(tiny_models, demo_datas
     result = launch(argv, 2)
     hashes = rank_hashes(result)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert result.stdout.count("skipped steps 1") == 2
+    assert result.stdout.count("skipped: guard 1,") == 2
 
 
 @pytest.mark.parametrize("network", [

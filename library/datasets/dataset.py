@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -141,6 +142,8 @@ class TrainDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.latent_store = None  # set by caching.cache_before_training
         self.text_store = None
+        # --debug_inject_sample: image file name (or stem) -> value written into its latents or pixels
+        self.poisoned: dict[str, float] = {}
         # Workers hold copies of this object; the epoch reaches them through shared memory.
         self._shared_epoch = multiprocessing.Value("i", 1, lock=False)
         # For token warm-up: the optimizer steps done when the epoch's first batch trains.
@@ -163,6 +166,13 @@ class TrainDataset(torch.utils.data.Dataset):
     @property
     def num_reg_images(self) -> int:
         return sum(dataset.num_reg_images for dataset in self.plan.datasets)
+
+    @property
+    def max_batch_size(self) -> int:
+        return max(dataset.spec.batch_size for dataset in self.plan.datasets)
+
+    def image_index_of(self, sample_id: int) -> int:
+        return self.plan.sample_images[sample_id]
 
     def dataset_dirs(self, reg: bool = False) -> dict[str, dict[str, int]]:
         """kohya's ``ss_dataset_dirs`` of a folder run (``ss_reg_dataset_dirs`` with ``reg``):
@@ -273,6 +283,8 @@ class TrainDataset(torch.utils.data.Dataset):
             sample["alpha_mask"] = (
                 torch.from_numpy(array[:, :, 3].astype(np.float32) / 255.0) if subset.alpha_mask else None
             )
+        if self.poisoned:
+            self._poison(sample, image.path)
         sample["original_size_hw"] = (image.size_wh[1], image.size_wh[0])
         sample["crop_top_left"] = sdxl_crop_top_left(crop, image.resized_wh, image.bucket_wh, flipped)
         sample["target_size_hw"] = (image.bucket_wh[1], image.bucket_wh[0])
@@ -286,6 +298,31 @@ class TrainDataset(torch.utils.data.Dataset):
         sample["loss_weight"] = spec.prior_loss_weight if image.is_reg else 1.0
         sample["uses_alpha_mask"] = subset.alpha_mask
         return sample
+
+
+    def _poison(self, sample: dict[str, Any], path: str) -> None:
+        """``--debug_inject_sample``: a corrupt image, as a bad cached latent or an fp16 VAE NaN gives one."""
+        name = os.path.basename(path)
+        value = self.poisoned.get(name, self.poisoned.get(os.path.splitext(name)[0]))
+        if value is not None:
+            key = "latents" if "latents" in sample else "image"
+            sample[key] = torch.full_like(sample[key], value)
+
+
+def select_samples(batch: dict[str, Any], keep: list[bool]) -> dict[str, Any]:
+    """``batch`` with only the samples where ``keep`` is True (every per-sample field)."""
+    rows = torch.tensor([index for index, kept in enumerate(keep) if kept], dtype=torch.long)
+    selected: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key == "captions":
+            selected[key] = [value[index] for index in rows.tolist()]
+        elif key == "text_encoder_outputs":
+            selected[key] = tuple(part[rows.to(part.device)] for part in value)
+        elif torch.is_tensor(value):
+            selected[key] = value[rows.to(value.device)]
+        else:
+            selected[key] = value
+    return selected
 
 
 def _collate_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
