@@ -330,7 +330,7 @@ class NetworkTrainer:
             return None
         models, network, loss = self.build_model(args, accelerator, data)
         optimization = self.build_optimization(args, accelerator, network, data)
-        states, progress, resume_step = self.build_state(args, accelerator, network, optimization, data)
+        states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data)
         validator = validation.create(args, data.validation_dataset, accelerator,
                                       loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
         metadata = {} if not accelerator.is_main_process else self.run_metadata(
@@ -341,6 +341,8 @@ class NetworkTrainer:
         outputs = RunOutputs(args, accelerator, with_scaler=optimization.scaler is not None,
                              total_steps=args.max_train_steps, initial_step=progress.global_step,
                              resume_step=resume_step)
+        if captured:
+            outputs.event(progress.global_step, "healthy", "")  # the initial healthy point (the tools read it)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
                    lora_files.LoraWriter(args, metadata), outputs)
 
@@ -447,9 +449,10 @@ class NetworkTrainer:
 
     def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
                     optimization: Optimization, data: TrainingData
-                    ) -> tuple[train_state.RunStates, train_state.Progress, Optional[int]]:
+                    ) -> tuple[train_state.RunStates, train_state.Progress, Optional[int], bool]:
         """The run's state store and progress, resumed when ``--resume`` finds a state; the resumed step
-        (None: a fresh run). A fresh run's initial state is its first healthy point."""
+        (None: a fresh run); whether the state now is the first healthy point (a fresh run's initial
+        state, or a resumed state that kept none)."""
         store = train_state.StateStore(
             args.output_dir, args.output_name, train_state.protected_arguments(args, accelerator.num_processes),
             save_dtype=lora_files.SAVE_DTYPES[args.save_precision],
@@ -471,9 +474,10 @@ class NetworkTrainer:
         progress = resumed or train_state.initial_progress(args, data.steps_per_epoch, progress)
         healer = optimization.healer
         data.quarantined = healer.quarantined_images
-        if healer.config.rewind_on_divergence and states.healthy_point is None:
+        captured = healer.config.rewind_on_divergence and states.healthy_point is None
+        if captured:
             self.capture_healthy_point(states, healer, progress)
-        return states, progress, progress.global_step if resumed else None
+        return states, progress, progress.global_step if resumed else None, captured
 
     def run_metadata(self, args: argparse.Namespace, accelerator: Accelerator, models: StableDiffusionModels,
                      network: network_base.AdapterNetwork, data: TrainingData, optimization: Optimization,

@@ -28,9 +28,11 @@ and saves ``guard.state_dict()`` and ``monitor.state_dict()`` with its train sta
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -440,6 +442,32 @@ class GradGuard:
         self._switched = bool(state["switched"]) and self.config.nan_inf_until_step is not None
         self._options = (NanInfOptions(**state["nan_inf_options"]) if self._switched
                          else self.config.nan_inf_options)
+
+
+def replay_decisions(rows: Sequence[tuple[int, float]], config: GuardConfig, events: Sequence[Sequence[str]] = (),
+                     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+                     ) -> list[tuple[int, float, GuardDecision]]:
+    """A fresh :class:`GradGuard` over a log's (step, norm) ``rows``, as training decided them (the replay
+    and plot tools); (step, norm, decision) per row. ``events``: the
+    run's (Step, Event, Detail) rows: after a ``healthy`` step the guard's state is kept, after a
+    ``rewind`` step the state kept at the step in its Detail comes back, as in training."""
+    guard = GradGuard(config, announce=announce)
+    healthy_steps = {int(step) for step, kind, _ in events if kind == "healthy"}
+    rewinds = {int(step): int(detail) for step, kind, detail in events if kind == "rewind"}
+    first_step = rows[0][0] if rows else 0
+    kept = {step: copy.deepcopy(guard.state_dict()) for step in healthy_steps | set(rewinds.values())
+            if step < first_step}  # the run's initial state: before the log's first row
+    results = []
+    for step, norm in rows:
+        results.append((step, norm, guard.decide(step, norm)))
+        if step in rewinds:
+            if rewinds[step] not in kept:
+                raise UserError(f"the events file has a rewind at step {step} to step {rewinds[step]}, but no healthy "
+                                f"point at that step: it belongs to another log")
+            guard.load_state_dict(copy.deepcopy(kept[rewinds[step]]))
+        elif step in healthy_steps:
+            kept[step] = copy.deepcopy(guard.state_dict())
+    return results
 
 
 def _window_threshold(window: Iterable[float]) -> float:

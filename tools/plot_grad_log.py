@@ -13,6 +13,10 @@ Panels (top to bottom, sharing the step axis):
 * loss scale (log2) when a log has the ``Scale`` column;
 * cosine similarity to the previous step when a log has ``CosineSim``.
 
+Self-healing events (the ``healing_log+<name>.txt`` beside a log): each rewind is a vertical line
+at its step with the span back to the healthy point shaded, each quarantined image a marker on the
+loss panel; the title counts them.
+
 Which steps are "skipped": without guard flags, the steps the guard skips given what
 the log records: ``Gradient Norm > Threshold`` outside an idle-free phase, and every
 NaN/Inf norm (such a step changes no weight: the guard or the GradScaler drops it).
@@ -46,7 +50,9 @@ import numpy as np  # noqa: E402
 
 from library import grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
-from library.grad_log import BASE_COLUMNS, fork_layout_note, is_fork_layout, parse_cell  # noqa: E402
+from library.grad_log import (  # noqa: E402
+    BASE_COLUMNS, events_path, fork_layout_note, is_fork_layout, parse_cell, read_events,
+)
 
 THRESH_OFF_SHADES = {1: ("#f4c542", "ThreshOff=1 (threshold NaN)"), 2: ("#7fb3e6", "ThreshOff=2 (idle-free phase)")}
 
@@ -68,6 +74,11 @@ class GradientLogData:
     cosine: np.ndarray | None = None
     skipped: np.ndarray = field(default=None)  # bool per row, set by read_gradient_log / replay_skips
     fork_layout: bool = False
+    events: list[list[str]] = field(default_factory=list)  # (Step, Event, Detail) of the healing log
+
+    def event_steps(self, kind: str) -> list[tuple[float, str]]:
+        """(step, detail) of this log's events of ``kind`` ("rewind", "quarantine", "healthy")."""
+        return [(float(step), detail) for step, event, detail in self.events if event == kind]
 
     def __len__(self) -> int:
         return len(self.step)
@@ -77,7 +88,7 @@ class GradientLogData:
         pick = lambda values: None if values is None else values[mask_or_slice]  # noqa: E731
         return GradientLogData(self.name, *(pick(getattr(self, name)) for name in
                                             ("epoch", "step", "norm", "threshold", "loss", "thresh_off",
-                                             "scale", "cosine", "skipped")), self.fork_layout)
+                                             "scale", "cosine", "skipped")), self.fork_layout, self.events)
 
 
 def _column(values: Sequence[str]) -> np.ndarray:
@@ -135,6 +146,8 @@ def read_gradient_log(path: str | Path) -> GradientLogData:
         data.step = np.arange(1, len(data) + 1, dtype=np.float64)
         data.fork_layout = True
     data.skipped = logged_skips(data)
+    if not data.fork_layout:
+        data.events = read_events(events_path(path))
     return data
 
 
@@ -148,8 +161,9 @@ def logged_skips(data: GradientLogData) -> np.ndarray:
 
 def replay_skips(data: GradientLogData, config: grad_guard.GuardConfig) -> None:
     """Replace ``skipped``, ``threshold`` and ``thresh_off`` by the trainers' decisions under ``config``."""
-    guard = grad_guard.GradGuard(config, announce=lambda line: None)
-    decisions = [guard.decide(int(step), float(norm)) for step, norm in zip(data.step, data.norm)]
+    rows = [(int(step), float(norm)) for step, norm in zip(data.step, data.norm)]
+    decisions = [decision for *_, decision in
+                 grad_guard.replay_decisions(rows, config, data.events, announce=lambda line: None)]
     data.skipped = np.fromiter((d.skip for d in decisions), dtype=bool, count=len(decisions))
     data.threshold = np.fromiter((d.threshold for d in decisions), dtype=np.float64, count=len(decisions))
     data.thresh_off = np.fromiter((d.thresh_off for d in decisions), dtype=np.int64, count=len(decisions))
@@ -300,6 +314,21 @@ def draw_logs(logs: Sequence[GradientLogData], *, smooth: int | None = None, tit
             _shade_runs(ax, steps, log.thresh_off == value, pixel_steps, shade,
                         shade_label if index == 0 else None, gid=f"threshoff-{value}" + (f"-{index}" if many else ""))
 
+        for ax in (axes["norm"], axes["loss"]):
+            for step, to_step in log.event_steps("rewind"):
+                ax.axvline(step, color="purple", lw=1.0, ls="-.", gid="rewind" + (f"-{index}" if many else ""),
+                           label="rewind" if ax is axes["norm"] and index == 0 and step == log.event_steps(
+                               "rewind")[0][0] else None)
+                ax.axvspan(float(to_step), step, color="purple", alpha=0.08, lw=0)
+        quarantined = log.event_steps("quarantine")
+        if quarantined:
+            at = np.array([step for step, _ in quarantined])
+            finite_loss = log.loss[np.isfinite(log.loss)]
+            level = float(np.nanmax(finite_loss)) if finite_loss.size else 1.0
+            axes["loss"].scatter(at, np.full(len(at), level), marker="D", s=30, color="darkorange", zorder=5,
+                                 label="quarantined image" if index == 0 else None,
+                                 gid="quarantine" + (f"-{index}" if many else ""))
+
         ax = axes["naninf"]
         row = 2 * index
         for kind, rows, height in (("nan", np.isnan(log.norm), row + 1), ("inf", np.isinf(log.norm), row)):
@@ -339,7 +368,11 @@ def draw_logs(logs: Sequence[GradientLogData], *, smooth: int | None = None, tit
     axes_list[-1, 0].set_xlabel("optimizer step")
     for ax in axes_list[:, 0]:
         ax.grid(True, alpha=0.3)
-    skipped_total = ", ".join(f"{log.name}: {int(log.skipped.sum())} of {len(log)} skipped" for log in logs)
+    skipped_total = ", ".join(
+        f"{log.name}: {int(log.skipped.sum())} of {len(log)} skipped"
+        + (f", {len(log.event_steps('rewind'))} rewinds" if log.event_steps("rewind") else "")
+        + (f", {len(log.event_steps('quarantine'))} quarantined" if log.event_steps("quarantine") else "")
+        for log in logs)
     figure.suptitle(title or skipped_total, fontsize="medium")
     figure.tight_layout()
     # tight_layout leaves a placeholder layout engine, which makes savefig draw everything twice.

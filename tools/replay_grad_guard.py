@@ -10,6 +10,11 @@ order as global steps 1..N, said in one line on stdout), runs the trainers' own 
 ``Step,Gradient Norm,Threshold,ThreshOff,Skipped`` (one row per input row,
 Threshold empty when NaN) plus a one-line summary on stdout. Use it to tune
 ``--skip_grad_norm_max`` and friends offline.
+
+A run that rewound (``--rewind_on_divergence``) restored its guard to the healthy point's state:
+the events file beside the log (``healing_log+<name>.txt``, or ``--events FILE``) says where, and
+the replay restores the guard at the same rows, so its decisions stay the training's. With an
+events file the output has a last column ``Event`` (rewind, quarantine) and the summary counts them.
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from typing import Sequence  # noqa: E402
 
 from library import grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
-from library.grad_log import fork_layout_note, format_number, is_fork_layout, parse_cell  # noqa: E402
+from library.grad_log import (  # noqa: E402
+    events_path, fork_layout_note, format_number, is_fork_layout, parse_cell, read_events,
+)
 
 OUTPUT_COLUMNS = ("Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped")
 
@@ -37,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("log", metavar="LOG.csv", help="a gradient log (gradient_logs+<name>.txt)")
     parser.add_argument("--out", required=True, metavar="OUT.csv",
                         help="where to write Step,Gradient Norm,Threshold,ThreshOff,Skipped")
+    parser.add_argument("--events", metavar="EVENTS.csv", default=None,
+                        help="the run's self-healing events (default: healing_log+<name>.txt beside LOG, if present)")
     grad_guard.add_arguments(parser)
     return parser
 
@@ -69,31 +78,48 @@ def read_norms(path: Path) -> tuple[list[tuple[int, float]], bool]:
     return [(number, norm) for number, (_, norm) in enumerate(rows, 1)], True
 
 
-def replay(rows: Sequence[tuple[int, float]], config: grad_guard.GuardConfig
-           ) -> list[tuple[int, float, grad_guard.GuardDecision]]:
-    """Run a fresh :class:`GradGuard` over ``rows``; (step, norm, decision) per row."""
-    guard = grad_guard.GradGuard(config, announce=lambda line: print(line, file=sys.stderr))
-    return [(step, norm, guard.decide(step, norm)) for step, norm in rows]
+def read_run_events(log: Path, events: str | None) -> list[list[str]] | None:
+    """The events file named by ``--events``, else the one beside the log; None when there is none."""
+    path = Path(events) if events else events_path(log)
+    if not path.is_file():
+        if events:
+            raise UserError(f"--events {events}: no such file")
+        return None
+    return read_events(path)
 
 
-def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.GuardDecision]]) -> None:
+def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.GuardDecision]],
+                 events: Sequence[Sequence[str]] | None = None) -> None:
+    """The replayed rows; with ``events`` a last column ``Event`` ("rewind to N", "quarantine FILE")."""
+    shown = {}
+    for step, kind, detail in events or ():
+        if kind in ("rewind", "quarantine"):
+            text = f"rewind to {detail}" if kind == "rewind" else f"quarantine {detail}"
+            shown[int(step)] = f"{shown[int(step)]}; {text}" if int(step) in shown else text
+    columns = OUTPUT_COLUMNS + (("Event",) if events is not None else ())
     try:
         with open(path, "w", encoding="utf-8", newline="") as file:
-            file.write(",".join(OUTPUT_COLUMNS) + "\n")
+            writer = csv.writer(file, lineterminator="\n")
+            writer.writerow(columns)
             for step, norm, decision in results:
                 threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
-                file.write(f"{step},{format_number(norm)},{threshold},{decision.thresh_off},{int(decision.skip)}\n")
+                row = [step, format_number(norm), threshold, decision.thresh_off, int(decision.skip)]
+                writer.writerow(row + ([shown.get(step, "")] if events is not None else []))
     except OSError as error:
         raise UserError(f"--out {path}: cannot write ({error.strerror or error})") from None
 
 
-def summary(results: Sequence[tuple[int, float, grad_guard.GuardDecision]], config: grad_guard.GuardConfig) -> str:
+def summary(results: Sequence[tuple[int, float, grad_guard.GuardDecision]], config: grad_guard.GuardConfig,
+            events: Sequence[Sequence[str]] | None = None) -> str:
     skipped = [step for step, _, decision in results if decision.skip]
     nan_threshold = sum(1 for *_, decision in results if decision.thresh_off == 1)
     free_phase = sum(1 for *_, decision in results if decision.thresh_off == 2)
     shown = ",".join(map(str, skipped[:10])) + (",..." if len(skipped) > 10 else "")
     line = (f"rows={len(results)} skipped={len(skipped)} threshold_nan_rows={nan_threshold} "
             f"free_phase_rows={free_phase} skipped_steps=[{shown}]")
+    if events is not None:
+        kinds = [kind for _, kind, _ in events]
+        line += f" rewinds={kinds.count('rewind')} quarantined={kinds.count('quarantine')}"
     if not config.skip_grad_norm:
         line += " (no --skip_grad_norm: nothing is skipped, as in training)"
     return line
@@ -108,9 +134,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows, fork_layout = read_norms(Path(args.log))
     if fork_layout:
         print(fork_layout_note(args.log, len(rows)))
-    results = replay(rows, config)
-    write_replay(Path(args.out), results)
-    print(summary(results, config))
+    events = None if fork_layout else read_run_events(Path(args.log), args.events)
+    results = grad_guard.replay_decisions(rows, config, events or ())
+    write_replay(Path(args.out), results, events)
+    print(summary(results, config, events))
 
 
 if __name__ == "__main__":
