@@ -343,8 +343,9 @@ class NetworkTrainer:
                              resume_step=resume_step)
         if captured:
             outputs.event(progress.global_step, "healthy", "")  # the initial healthy point (the tools read it)
+        writer = lora_files.LoraWriter(args, metadata, current_metadata=optimization.healer.metadata)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
-                   lora_files.LoraWriter(args, metadata), outputs)
+                   writer, outputs)
 
     def resolve_options(self, args: argparse.Namespace, explicit: set[str]) -> Accelerator:
         """Check every option, apply aliases and presets, start accelerate and seed the RNGs."""
@@ -696,7 +697,6 @@ class NetworkTrainer:
             fault_injection.report_weights(accelerator.process_index, run.network.lora_state_dict())
         if accelerator.is_main_process:
             epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
-            run.writer.metadata.update(healer.metadata())
             saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name), progress.global_step,
                                      epoch)
             if args.save_state or args.save_state_on_train_end:  # kohya: --save_state also saves the last state
@@ -717,7 +717,6 @@ class NetworkTrainer:
             weights_step = run.states.restore(run.device)
             optimizers.enter_eval_mode(run.optimization.optimizer)
             if run.accelerator.is_main_process:
-                run.writer.metadata.update(healer.metadata())
                 run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
                 written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
                                            weights_step, progress.epoch)

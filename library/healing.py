@@ -23,6 +23,7 @@ Per optimizer step the trainer does::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from collections import deque
@@ -547,8 +548,6 @@ class HealingPolicy:
     def metadata(self) -> dict[str, str]:
         """LoRA metadata: ``ss_rewinds`` and ``ss_quarantined_samples`` (JSON), only when there are any,
         so a healthy run's files are what they were without the policy."""
-        import json
-
         metadata = {}
         if self.rewinds:
             metadata["ss_rewinds"] = json.dumps([asdict(event) for event in self.rewinds])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -152,9 +152,13 @@ def cast_for_saving(state: Mapping[str, torch.Tensor], save_dtype: Optional[torc
 class LoraWriter:
     """Writes the network at save points and removes files that fall out of the kept range."""
 
-    def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str]) -> None:
+    def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str],
+                 current_metadata: Callable[[], Mapping[str, str]] = dict) -> None:
+        """``metadata``: the run's; ``current_metadata()``: what changes during the run (rewinds, quarantined
+        samples), asked at every write."""
         self.args = args
         self.metadata = dict(metadata)
+        self.current_metadata = current_metadata
         self.save_dtype = SAVE_DTYPES[args.save_precision]
 
     def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
@@ -167,7 +171,7 @@ class LoraWriter:
             refusal = save_refusal(trained, self.save_dtype)
             print(f"\nnot saving {path}: {refusal}; no file written or removed", flush=True)
             return None
-        metadata = dict(self.metadata)
+        metadata = {**self.metadata, **self.current_metadata()}
         metadata.update({"ss_steps": str(step), "ss_epoch": str(epoch)})
         if not self.args.no_metadata:
             metadata.update(addnet_hashes(state, metadata))
