@@ -233,7 +233,8 @@ def learning_rate_one(tiny_models, quickstart_dataset, tmp_path_factory) -> tupl
     """The issue's run: the quickstart at --learning_rate 1 (the fp16 forward overflows from step 2)."""
     output_dir = tmp_path_factory.mktemp("lr_one")
     argv = quickstart_args(tiny_models, quickstart_dataset, output_dir, "--learning_rate", "1",
-                           "--max_train_steps", "40", "--log_jsonl", str(output_dir / "log.jsonl"))
+                           "--max_train_steps", "40", "--log_jsonl", str(output_dir / "log.jsonl"),
+                           "--save_every_n_steps", "20")
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):  # a module fixture: capsys is per test
         run_trainer("sdxl_train_network", argv)
@@ -258,6 +259,8 @@ def test_a_diverging_fp16_run_rewinds_and_ends_with_a_usable_lora(learning_rate_
     assert all(torch.isfinite(value).all() for value in weights.values())
     recorded = json.loads(metadata(output_dir / "q.safetensors")["ss_rewinds"])
     assert [(event["step"], event["to_step"]) for event in recorded] == [(int(s), int(t)) for s, _, t, _, _ in rewinds]
+    assert metadata(output_dir / "q-step00000020.safetensors")["ss_rewinds"] == json.dumps(
+        [event for event in recorded if event["step"] <= 20])  # the files saved during the run too
     events = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
     assert [event["step"] for event in events if event.get("event") == "rewind"] == [int(s) for s, *_ in rewinds]
     assert [event.get("train/rewinds") for event in events if "loss/current" in event][-1] == len(rewinds)
