@@ -751,6 +751,7 @@ def main(trainer_class: type = NetworkTrainer, parser_factory=setup_parser, argv
     """Parse the command line (and ``--config_file``) and train."""
     parser = parser_factory()
     args, explicit = config_file.parse_args(parser, argv)
+    fault_injection.simulate_full_disk(args)
     trainer_class().train(args, explicit)
 
 

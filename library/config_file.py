@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -27,6 +26,7 @@ try:  # Python >= 3.11
 except ImportError:  # pragma: no cover - Python 3.10 uses the ``toml`` package from requirements.txt
     import toml as _toml_reader  # type: ignore[no-redef]
 
+from library import atomic_files
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def write_config(
             "--output_config %s: left out option(s) whose value a TOML file cannot reproduce: %s",
             path, ", ".join(not_reproducible),
         )
-    _write_atomically(path, "\n".join(lines) + "\n")
+    atomic_files.write_file(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -383,21 +383,6 @@ def _toml_key(key: str) -> str:
     if key and all(char.isascii() and (char.isalnum() or char in "_-") for char in key):
         return key
     return _toml_string(key)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _show(raw: Any) -> str:

@@ -28,7 +28,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
-from library.errors import UserError
+from library import atomic_files
+from library.errors import DiskFull, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ class GradientLog:
     """Appends one CSV row per optimizer step to ``path``.
 
     Invariants: rows are held in memory until ``flush_every`` are pending or
-    :meth:`flush` is called; a flush appends them, flushes and fsyncs the file, so
-    after it returns every appended row is on disk exactly once. Only :meth:`flush` and
+    :meth:`flush` is called; a flush writes them and fsyncs the file, so after it returns
+    every appended row is on disk exactly once. Only :meth:`flush` and
     :meth:`truncate_after` write; :meth:`start` plans the file's first write.
     """
 
@@ -104,6 +105,7 @@ class GradientLog:
         self.flush_every = flush_every
         self._pending: list[tuple[int, str]] = []  # (step, CSV line)
         self._flushing = False
+        self._disk_full = False
         # Rows the file starts from, written at the first flush (see start); None: use the file as it is.
         self._kept_rows: list[list[str]] | None = None
 
@@ -155,26 +157,31 @@ class GradientLog:
             self.flush()
 
     def flush(self) -> None:
-        """Append the pending rows, then flush and fsync. Safe to call any time, also re-entrantly
-        from a signal handler (a nested call returns at once)."""
-        if self._flushing or not self._pending:
+        """Write the pending rows durably (fsynced). Safe to call any time, also re-entrantly from a
+        signal handler (a nested call returns at once).
+
+        The first flush of a run writes the whole file at once (header, the rows kept by
+        :meth:`start`, the pending rows) under a temporary name and renames it over the old log, so
+        an old log is replaced only by one holding this run's rows; later flushes append. A full disk
+        raises ``DiskFull`` once; the log then stops writing (its rows could not be kept anyway, and a
+        flush at exit must not print a second error)."""
+        if self._flushing or not self._pending or self._disk_full:
             return
         self._flushing = True
         try:
-            if self._kept_rows is not None:
-                self._rewrite(self._kept_rows)
-                self._kept_rows = None
             count = len(self._pending)
             text = "".join(line for _, line in self._pending[:count])
-            needs_header = not self.path.exists() or self.path.stat().st_size == 0
-            if needs_header:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                text = ",".join(self.columns) + "\n" + text
-            with open(self.path, "a", encoding="utf-8", newline="") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
+            if self._kept_rows is not None:
+                self._rewrite(self._kept_rows, text)
+                self._kept_rows = None
+            else:
+                if not self.path.exists() or self.path.stat().st_size == 0:
+                    text = ",".join(self.columns) + "\n" + text
+                atomic_files.append_to_file(self.path, text)
             del self._pending[:count]
+        except DiskFull:
+            self._disk_full = True
+            raise
         finally:
             self._flushing = False
 
@@ -213,16 +220,10 @@ class GradientLog:
                 kept.append([by_name.get(column, "") for column in self.columns])
         return kept
 
-    def _rewrite(self, rows: Iterable[list[str]]) -> None:
-        """Atomically replace the file with the header and ``rows`` (temp file, fsync, rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        with open(temporary, "w", encoding="utf-8", newline="") as file:
-            file.write(",".join(self.columns) + "\n")
-            file.writelines(",".join(row) + "\n" for row in rows)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+    def _rewrite(self, rows: Iterable[list[str]], pending_text: str = "") -> None:
+        """Atomically replace the file with the header, ``rows`` and ``pending_text`` (CSV lines)."""
+        lines = [",".join(self.columns) + "\n", *(",".join(row) + "\n" for row in rows), pending_text]
+        atomic_files.write_file(self.path, "".join(lines))
 
 
 def install_flush_handlers(flush: Callable[[], None],

@@ -30,6 +30,7 @@ private generator. Only the main process samples.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -42,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from library import tracking
+from library import atomic_files, tracking
 from library.errors import UserError
 
 SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
@@ -359,7 +360,9 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
             with autocast:
                 image = pipeline(**call).images[0]
             path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)
-            image.save(path)
+            png = io.BytesIO()
+            image.save(png, format="PNG")
+            atomic_files.write_file(path, png.getvalue())
             written.append(path)
             for_trackers.append((image, prompt.prompt))
     tracking.log_sample_images(accelerator, for_trackers, step)

@@ -3,16 +3,18 @@
 A state folder holds everything the next step depends on (LoRA, optimizer, LR schedule,
 loss scaler, gradient guard, RNGs, data position) plus ``manifest.json``: the format
 version, the arguments that must not change on resume, and a SHA-256 of every file.
-It is written under a temporary name and renamed when complete; only then is the
-tracker file (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and
-only then are old states removed. So at any instant the newest complete state is intact
-and findable; ``--resume auto`` verifies it and falls back to the newest intact one.
-A state whose LoRA or optimizer holds NaN/Inf (a diverged run) is never written: it replaces,
-rotates away and hides no good state.
+It is written under a temporary name and renamed when complete (``library.atomic_files``:
+fsynced, so a power loss too leaves it whole or absent); only then is the tracker file
+(``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and only then are
+old states removed; a full disk leaves no partial state behind. So at any instant the newest
+complete state is intact and findable; ``--resume auto`` verifies it and falls back to the
+newest intact one. A state whose LoRA or optimizer holds NaN/Inf (a diverged run) is never
+written: it replaces, rotates away and hides no good state.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import math
@@ -25,8 +27,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from library import atomic_files
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -200,31 +203,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _torch_bytes(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    _write_bytes(temporary, text.encode("utf-8"))
-    os.replace(temporary, path)
 
 
 @dataclass
@@ -310,41 +292,22 @@ class StateStore:
             keeps = f"{newest} stays the newest state (--resume auto resumes it)" if newest else "no state is kept"
             print(f"\nnot saving state {name}: {refusal}; {keeps}", flush=True)
             return None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        final = self.output_dir / name
-        temporary = self.output_dir / f".{name}.tmp{os.getpid()}"
-        if temporary.exists():
-            shutil.rmtree(temporary)
-        temporary.mkdir()
         files = {
-            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
             "components.pt": _torch_bytes(components),
+            "lora.safetensors": save({key: value.detach().cpu().contiguous() for key, value in lora.items()}),
+            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
             "rng.pt": _torch_bytes(rng_state()),
         }
-        for file_name, data in files.items():
-            _write_bytes(temporary / file_name, data)
-        save_file({key: value.detach().cpu().contiguous() for key, value in lora.items()}, temporary / "lora.safetensors")
-        with open(temporary / "lora.safetensors", "rb") as file:
-            os.fsync(file.fileno())
         manifest = {
             "format_version": FORMAT_VERSION,
             "global_step": progress.global_step,
             "arguments": self.protected,
-            "files": {path.name: file_sha256(path) for path in sorted(temporary.iterdir())},
+            "files": {file_name: hashlib.sha256(data).hexdigest() for file_name, data in files.items()},
         }
-        _write_bytes(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
-        _fsync_dir(temporary)
-        if self._before_rename is not None:
-            self._before_rename(temporary)
-        if final.exists():  # the same save point written again (e.g. after a resume)
-            stale = self.output_dir / f".{name}.old{os.getpid()}"
-            os.replace(final, stale)
-            os.replace(temporary, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(temporary, final)
-        _fsync_dir(self.output_dir)
-        atomic_write_text(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
+        files[MANIFEST] = json.dumps(manifest, indent=1).encode("utf-8")
+        final = self.output_dir / name
+        atomic_files.write_folder(final, files, before_rename=self._before_rename)
+        atomic_files.write_file(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
         return final
 
     def rotate(self, kind: str, current: int, every: int, keep: Optional[int]) -> None:
@@ -374,7 +337,7 @@ class StateStore:
         if not self.output_dir.is_dir():
             return
         for path in self.output_dir.iterdir():
-            if path.is_dir() and path.name.startswith(f".{self.output_name}") and ".tmp" in path.name:
+            if path.is_dir() and atomic_files.is_temporary(path.name, self.output_name):
                 shutil.rmtree(path)
                 print(f"removed the partial state write {path}")
 

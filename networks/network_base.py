@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from library import fp8_base
+from library import atomic_files, fp8_base
 from library.errors import UserError
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
@@ -537,25 +537,14 @@ def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Map
 
 
 def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
-    """Write a network safetensors file atomically (temp name in the same folder, then rename).
+    """Write a network safetensors file atomically (``library.atomic_files``).
 
     Refuses non-finite weights so that a diverged run never replaces a good file.
     """
     bad_module = find_non_finite(state)
     if bad_module is not None:
         raise FloatingPointError(f"not saving {path}: LoRA module {bad_module} holds NaN/Inf")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(temp_path, "wb") as file:
-            file.write(canonical_safetensors_bytes(state, metadata))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp_path, path)
-    finally:
-        if os.path.exists(temp_path):
-            os.remove(temp_path)
+    atomic_files.write_file(path, canonical_safetensors_bytes(state, metadata))
 
 
 def group_by_module(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

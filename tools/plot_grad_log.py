@@ -39,12 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import io  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from library import grad_guard  # noqa: E402
+from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.grad_log import BASE_COLUMNS, fork_layout_note, is_fork_layout, parse_cell  # noqa: E402
 
@@ -354,11 +355,12 @@ def plot_logs(logs: Sequence[GradientLogData], out: str | Path, *, smooth: int |
 
     figure = draw_logs(logs, smooth=smooth, title=title, dpi=dpi, width_in=width_in)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    image = io.BytesIO()
     try:
-        figure.savefig(out, dpi=dpi)
+        figure.savefig(image, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi)
     finally:
         plt.close(figure)
+    atomic_files.write_file(out, image.getvalue())
     return out
 
 

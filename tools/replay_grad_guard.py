@@ -23,7 +23,7 @@ import csv  # noqa: E402
 import math  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from library import grad_guard  # noqa: E402
+from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.grad_log import fork_layout_note, format_number, is_fork_layout, parse_cell  # noqa: E402
 
@@ -77,12 +77,12 @@ def replay(rows: Sequence[tuple[int, float]], config: grad_guard.GuardConfig
 
 
 def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.GuardDecision]]) -> None:
+    lines = [",".join(OUTPUT_COLUMNS) + "\n"]
+    for step, norm, decision in results:
+        threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
+        lines.append(f"{step},{format_number(norm)},{threshold},{decision.thresh_off},{int(decision.skip)}\n")
     try:
-        with open(path, "w", encoding="utf-8", newline="") as file:
-            file.write(",".join(OUTPUT_COLUMNS) + "\n")
-            for step, norm, decision in results:
-                threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
-                file.write(f"{step},{format_number(norm)},{threshold},{decision.thresh_off},{int(decision.skip)}\n")
+        atomic_files.write_file(path, "".join(lines))
     except OSError as error:
         raise UserError(f"--out {path}: cannot write ({error.strerror or error})") from None
 

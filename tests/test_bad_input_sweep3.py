@@ -1,0 +1,57 @@
+"""Careless users, third sweep (issue 23): each mistake is one line naming the flag or file and what is
+valid (exit code 2; 1 for a full disk), before the model is loaded where it can be known then, and a
+failed run replaces nothing good on disk."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_bad_input import base_args
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------
+def earlier_run(output_dir: Path) -> dict[Path, bytes]:
+    files = {output_dir / "last.safetensors": b"earlier run",
+             output_dir / "gradient_logs+last.txt": b"Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff\n1,1,1.0,,0.5,0\n",
+             output_dir / "run.jsonl": b'{"step": 1}\n'}
+    for path, data in files.items():
+        path.write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("disk_bytes, full_at", [
+    (0, "run.jsonl"),  # full from the start: the jsonl log's first line is the run's first write
+    (4000, "last.safetensors"),  # the logs' rows fit, the final LoRA does not
+])
+def test_a_full_disk_is_one_line_exit_1_and_keeps_what_was_on_disk(disk_bytes, full_at, tiny_models, demo_dataset,
+                                                                    tmp_path):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    earlier = earlier_run(output_dir)
+    argv = base_args(tiny_models, demo_dataset, output_dir) + [
+        "--grad_norm_log", "--log_jsonl", str(output_dir / "run.jsonl"), "--save_state",
+        "--debug_disk_full_after_bytes", str(disk_bytes)]
+    result = subprocess.run([sys.executable, str(REPO / "sdxl_train_network.py"), *argv], capture_output=True,
+                            text=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # tqdm writes to stderr too
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {output_dir / full_at}: no space left on the disk; writing it needs "), errors
+    assert " bytes" in errors[0] and errors[0].endswith("files already there are kept")
+    assert (output_dir / "last.safetensors").read_bytes() == b"earlier run"
+    assert not [path.name for path in output_dir.iterdir() if path.name.startswith(".")]  # no temporary left
+    assert sorted(os.listdir(output_dir)) == sorted(path.name for path in earlier)  # no state, no tracker
+    logs = [output_dir / "gradient_logs+last.txt", output_dir / "run.jsonl"]
+    if disk_bytes == 0:  # nothing of the new run could be written: the earlier logs are as they were
+        assert all(path.read_bytes() == earlier[path] for path in logs)
+    else:  # the logs were replaced, at once, by ones holding the new run's rows
+        rows = logs[0].read_text().splitlines()
+        assert rows[0].startswith("Epoch,Step,") and [row.split(",")[1] for row in rows[1:]] == ["1", "2"]
+        assert [json.loads(line)["step"] for line in logs[1].read_text().splitlines()] == [1, 2]
