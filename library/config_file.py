@@ -133,7 +133,7 @@ def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
     invalid TOML, or a value the option would reject on the command line.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows Notepad) is no TOML
     except FileNotFoundError:
         raise UserError(f"--config_file {path}: no such file; give the path of a TOML file") from None
     except (OSError, UnicodeDecodeError) as error:

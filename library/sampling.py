@@ -150,7 +150,7 @@ def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
     if suffix not in (".txt", ".toml", ".json"):
         raise UserError(f"--sample_prompts {path}: use a .txt, .toml or .json prompt file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # with or without Notepad's byte-order mark
     except FileNotFoundError:
         return []
     except OSError as error:

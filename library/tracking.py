@@ -136,8 +136,9 @@ def tracker_init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Per-tracker init options: ``--log_tracker_config``'s file, else the wandb run name."""
     if args.log_tracker_config:
         try:
-            return toml.load(args.log_tracker_config)
-        except (OSError, toml.TomlDecodeError) as error:
+            with open(args.log_tracker_config, encoding="utf-8-sig") as file:
+                return toml.load(file)
+        except (OSError, UnicodeDecodeError, toml.TomlDecodeError) as error:
             raise UserError(f"--log_tracker_config {args.log_tracker_config}: cannot read it as TOML ({error})")
     return {"wandb": {"name": args.wandb_run_name}} if args.wandb_run_name else {}
 

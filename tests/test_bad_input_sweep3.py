@@ -12,7 +12,33 @@ from pathlib import Path
 import pytest
 from test_bad_input import base_args
 
+import train_network
+from library import config_file, sampling
+from library.datasets import config as dataset_config
+from library.datasets.captions import read_caption_file
+
 REPO = Path(__file__).resolve().parent.parent
+BOM = "\ufeff"
+
+
+# -- 1. files saved as UTF-8 with a byte-order mark (Windows Notepad) -------------------------------
+def test_bom_is_stripped_from_captions_configs_and_prompt_files(tmp_path):
+    image = tmp_path / "img.png"
+    (tmp_path / "img.txt").write_text(BOM + "sks dog, grass", encoding="utf-8")
+    assert read_caption_file(str(image), ".txt", enable_wildcard=False) == "sks dog, grass"
+
+    config = tmp_path / "run.toml"
+    config.write_text(BOM + "[training]\nlearning_rate = 1e-3\n", encoding="utf-8")
+    args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
+    assert args.learning_rate == 1e-3
+
+    dataset = tmp_path / "dataset.toml"
+    dataset.write_text(BOM + "[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = 'x'\n", encoding="utf-8")
+    assert dataset_config.load_user_config(str(dataset))["datasets"][0]["resolution"] == 64
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(BOM + "sks dog --w 64 --h 64\n", encoding="utf-8")
+    assert [prompt.prompt for prompt in sampling.load_prompts(prompts)] == ["sks dog"]
 
 
 # -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------

@@ -95,7 +95,7 @@ def read_gradient_log(path: str | Path) -> GradientLogData:
     Raises ``UserError`` when the file is missing or not a gradient log."""
     path = Path(path)
     try:
-        with open(path, encoding="utf-8", newline="") as file:
+        with open(path, encoding="utf-8-sig", newline="") as file:  # a spreadsheet may add a byte-order mark
             rows = list(csv.reader(file))
     except OSError as error:
         raise UserError(f"{path}: cannot read the gradient log ({error.strerror or error})") from None

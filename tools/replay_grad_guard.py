@@ -46,7 +46,7 @@ def read_norms(path: Path) -> tuple[list[tuple[int, float]], bool]:
     layout (see :func:`library.grad_log.is_fork_layout`; then Step is the 1-based row number).
     UserError naming the line when a Step or norm is unreadable."""
     try:
-        with open(path, encoding="utf-8", newline="") as file:
+        with open(path, encoding="utf-8-sig", newline="") as file:  # a spreadsheet may add a byte-order mark
             reader = csv.DictReader(file)
             missing = {"Step", "Gradient Norm"} - set(reader.fieldnames or [])
             if missing:

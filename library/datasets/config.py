@@ -199,7 +199,7 @@ def load_user_config(path: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"--dataset_config {path}: file not found")
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:  # with or without Notepad's byte-order mark
             if path.lower().endswith(".json"):
                 return json.load(file)
             if path.lower().endswith(".toml"):

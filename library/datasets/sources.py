@@ -135,7 +135,7 @@ def _finetuning_images(subset: SubsetSpec, subset_index: int) -> list[ImageRecor
     if not os.path.isfile(path):
         raise UserError(f"{subset.where}: metadata_file {path} not found")
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:
             if path.endswith(".jsonl"):
                 metadata = {}
                 for line in file:
