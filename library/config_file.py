@@ -19,7 +19,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Container, Iterable, Sequence
 
 try:  # Python >= 3.11
     import tomllib as _toml_reader
@@ -121,13 +121,15 @@ def dests_given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[
 def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     """The options a TOML file sets, by dest, converted and checked as on the command line.
 
-    - Top-level tables are flattened (their names are ignored); later keys win.
+    - Top-level tables are flattened (their names are ignored); later keys win. An option in a
+      table inside a table (``[a.b]``), which kohya drops silently, is refused.
     - ``""`` and ``[]`` mean "not set". ``false`` for a ``store_true`` flag means not set;
       ``true``/``false`` set a ``BooleanOptionalAction``; ``0``/``1`` are read as booleans for
       flags (kohya_ss GUI writes ``persistent_data_loader_workers = 1``).
     - A list sets an option taking several values; a single value is a one-item list.
     - ``max_token_length = 75`` means the default when 75 is not among the option's choices.
-    - Keys no option defines are listed in one warning line and otherwise ignored.
+    - Keys no option defines are listed, with their tables (``model.epoch``), in one warning
+      line and otherwise ignored.
 
     Raises ``UserError`` naming the file (and the key) for a missing or unreadable file,
     invalid TOML, or a value the option would reject on the command line.
@@ -149,12 +151,16 @@ def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
 
     values: dict[str, Any] = {}
     unknown: list[str] = []
-    for key, raw in _flatten(document).items():
+    for where, key, raw in _flatten(document, actions_by_dest):
         if key in _IGNORED_KEYS:
             continue
         if key not in actions_by_dest:
-            unknown.append(key)
+            unknown.append(where)
             continue
+        if where.count(".") > 1 and not isinstance(raw, dict):  # [a.b] key: kohya drops it silently
+            section, _, _ = where.rpartition(".")
+            raise UserError(f"--config_file {path}: {where}: a table inside a table ([{section}]) is not read; "
+                            f"move {key} into [{section.partition('.')[0]}] or to the top of the file")
         is_set, value = _value_from_file(parser, actions_by_dest[key], key, raw, path)
         if is_set:
             values[key] = value
@@ -300,14 +306,17 @@ def _convert_one(parser: argparse.ArgumentParser, action: argparse.Action, item:
     return value
 
 
-def _flatten(document: dict[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for name, value in document.items():
-        if isinstance(value, dict):
-            flat.update(value)  # a section: its name only groups the keys (kohya)
+def _flatten(table: dict[str, Any], options: Container[str], prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(key with its tables, key, value) of every value of ``table``, the keys of nested tables included,
+    in file order. A section's name only groups its keys (kohya); a table inside a section that is
+    named like an option stays one value (the option's reader refuses it)."""
+    entries = []
+    for key, value in table.items():
+        if isinstance(value, dict) and not (prefix and key in options):
+            entries.extend(_flatten(value, options, f"{prefix}{key}."))
         else:
-            flat[name] = value
-    return flat
+            entries.append((f"{prefix}{key}", key, value))
+    return entries
 
 
 def _optional_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:

@@ -16,6 +16,7 @@ import train_network
 from library import config_file, sampling
 from library.datasets import config as dataset_config
 from library.datasets.captions import read_caption_file
+from library.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 BOM = "\ufeff"
@@ -39,6 +40,22 @@ def test_bom_is_stripped_from_captions_configs_and_prompt_files(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(BOM + "sks dog --w 64 --h 64\n", encoding="utf-8")
     assert [prompt.prompt for prompt in sampling.load_prompts(prompts)] == ["sks dog"]
+
+
+# -- 2. a table inside a table ---------------------------------------------------------------------
+def test_an_option_in_a_nested_toml_table_is_refused_and_unused_keys_are_named_with_their_table(tmp_path, caplog):
+    nested = tmp_path / "nested.toml"
+    nested.write_text("[a.b]\nlearning_rate = 1e-3\n", encoding="utf-8")
+    with pytest.raises(UserError) as refused:
+        config_file.parse_args(train_network.setup_parser(), ["--config_file", str(nested)])
+    assert str(refused.value).startswith(f"--config_file {nested}: a.b.learning_rate: ") and "[a]" in str(refused.value)
+
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[a]\nlearning_rate = 1e-3\nepoch = 4\n[a.b]\nnot_an_option = 1\n", encoding="utf-8")
+    args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(unknown)])
+    assert args.learning_rate == 1e-3
+    warning = [record.getMessage() for record in caplog.records if "ignoring" in record.getMessage()]
+    assert len(warning) == 1 and warning[0].endswith(": a.epoch, a.b.not_an_option")
 
 
 # -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------
