@@ -17,6 +17,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Container, Iterable, Sequence
@@ -92,6 +93,19 @@ def parse_args(
                 setattr(args, dest, value)
             explicit.add(dest)
     return args, explicit
+
+
+def boolean_word(text: str) -> bool | None:
+    """A kohya-style boolean value of ``key=value`` options: true/false, 1/0, yes/no in any case
+    (the GUI writes Python's ``True``/``False``); None for anything else."""
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+
+
+def key_value_items(items: Iterable[str] | None) -> list[str]:
+    """The ``key=value`` pairs of kohya-style options (``--network_args``, ``--optimizer_args``,
+    ``--lr_scheduler_args``): an item may hold several pairs separated by spaces, as the kohya_ss GUI
+    passes them ("conv_dim=4 conv_alpha=1"); a space not followed by ``name=`` stays in the value."""
+    return [pair for item in items or () for pair in re.split(r"\s+(?=[A-Za-z_]\w*=)", item.strip()) if pair]
 
 
 def resolve_config_path(name: str | os.PathLike[str]) -> Path:

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from library import atomic_files
+from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -169,7 +170,7 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "base_weights_multiplier": list(args.base_weights_multiplier or []),
         "network_dim": args.network_dim,
         "network_alpha": args.network_alpha,
-        "network_args": sorted(args.network_args or []),
+        "network_args": sorted(key_value_items(args.network_args)),
         "network_train_unet_only": bool(args.network_train_unet_only),
         "network_train_text_encoder_only": bool(args.network_train_text_encoder_only),
         # parts with learning rate 0 have no optimizer group: the optimizer state's layout depends on them

@@ -10,13 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_input import base_args
+import torch
+from test_bad_input import output_dir  # noqa: F401  (the fixture: an output folder holding an earlier LoRA)
+from test_bad_input import base_args, run_expecting_user_error, unloadable_model_args
 
 import train_network
 from library import config_file, sampling
 from library.datasets import config as dataset_config
 from library.datasets.captions import read_caption_file
 from library.errors import UserError
+from networks.network_base import parse_network_args
 
 REPO = Path(__file__).resolve().parent.parent
 BOM = "\ufeff"
@@ -56,6 +59,54 @@ def test_an_option_in_a_nested_toml_table_is_refused_and_unused_keys_are_named_w
     assert args.learning_rate == 1e-3
     warning = [record.getMessage() for record in caplog.records if "ignoring" in record.getMessage()]
     assert len(warning) == 1 and warning[0].endswith(": a.epoch, a.b.not_an_option")
+
+
+# -- refused before the model loads ----------------------------------------------------------------
+def early_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """(extra flags, text the one-line error must contain)."""
+    return [
+        # 7. optimizer arguments of the wrong kind
+        (["--optimizer_type", "Prodigy", "--learning_rate", "1", "--optimizer_args", "safeguard_warmup=maybe"],
+         "--optimizer_args safeguard_warmup=maybe: Prodigy takes true or false for safeguard_warmup"),
+        (["--optimizer_type", "DAdaptAdam", "--learning_rate", "1", "--optimizer_args", "decouple=maybe"],
+         "--optimizer_args decouple=maybe: DAdaptAdam takes true or false for decouple"),
+        (["--optimizer_type", "AdamWScheduleFree", "--optimizer_args", "warmup_steps=abc"],
+         "--optimizer_args warmup_steps=abc: AdamWScheduleFree takes a number for warmup_steps"),
+    ]
+
+
+def test_mistakes_are_refused_before_the_model_loads(tiny_models, demo_dataset, output_dir, capsys, tmp_path):
+    argv = unloadable_model_args(tiny_models, tmp_path) + base_args(tiny_models, demo_dataset, output_dir)[4:]
+    for flags, expected in early_cases(tmp_path):
+        message = run_expecting_user_error(capsys, argv + flags, output_dir)
+        assert expected in message, (flags, message)
+    # the same run without a mistake gets as far as the model (so the cases above were refused before it)
+    assert "unloadable.ckpt" in run_expecting_user_error(capsys, argv, output_dir)
+
+
+def test_boolean_optimizer_arguments_read_as_network_args_does():
+    import argparse
+
+    from library import optimizers
+
+    parser = argparse.ArgumentParser()
+    optimizers.add_arguments(parser)
+    args = parser.parse_args(["--optimizer_type", "Prodigy", "--learning_rate", "1",
+                              "--optimizer_args", "safeguard_warmup=yes decouple=0 use_bias_correction=True"])
+    _, arguments, optimizer = optimizers.build_optimizer(args, [torch.nn.Parameter(torch.zeros(2))])
+    group = optimizer.param_groups[0]
+    assert (group["safeguard_warmup"], group["decouple"], group["use_bias_correction"]) == (True, False, True)
+    assert arguments == "safeguard_warmup=True,decouple=False,use_bias_correction=True"
+
+
+# -- 8. the GUI's one-string network_args -----------------------------------------------------------
+def test_network_args_in_one_string_are_split_as_optimizer_args_are(tiny_models, demo_dataset, output_dir, capsys,
+                                                                    tmp_path):
+    assert parse_network_args(["conv_dim=4 conv_alpha=1", "preset=C:/My Presets/a.toml"]) == {
+        "conv_dim": "4", "conv_alpha": "1", "preset": "C:/My Presets/a.toml"}
+    argv = unloadable_model_args(tiny_models, tmp_path) + base_args(tiny_models, demo_dataset, output_dir)[4:]
+    message = run_expecting_user_error(capsys, argv + ["--network_args", "conv_dim=4 conv_alpha=1"], output_dir)
+    assert "unloadable.ckpt" in message  # the arguments were accepted; the run got to the model
 
 
 # -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------
