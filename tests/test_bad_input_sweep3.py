@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_bad_input import output_dir  # noqa: F401  (the fixture: an output folder holding an earlier LoRA)
-from test_bad_input import base_args, run_expecting_user_error, unloadable_model_args
+from test_bad_input import base_args, replace_flag, run_expecting_user_error, unloadable_model_args
 
 import train_network
 from library import config_file, sampling
@@ -62,9 +62,29 @@ def test_an_option_in_a_nested_toml_table_is_refused_and_unused_keys_are_named_w
 
 
 # -- refused before the model loads ----------------------------------------------------------------
+def write_prompts(path: Path, line: str) -> Path:
+    path.write_text(line + "\n", encoding="utf-8")
+    return path
+
+
 def early_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     """(extra flags, text the one-line error must contain)."""
+    def sampled(line: str) -> list[str]:
+        path = tmp_path / f"prompts{len(list(tmp_path.glob('prompts*.txt')))}.txt"
+        return ["--sample_prompts", str(write_prompts(path, line)), "--sample_every_n_steps", "1"]
     return [
+        # 3. an empty output name would write the hidden file .safetensors
+        (["--output_name", ""], "--output_name '': give a file name"),
+        (["--output_name", "  "], "--output_name '  ': give a file name"),
+        # 5. sizes no GPU can train
+        (["--resolution", "100000"], "--resolution 100000: at most 8192 px per side"),
+        (["--resolution", "1024,65536"], "at most 8192 px per side"),
+        # 6. LoKr factor 0: a 1x1 lokr_w1 in every module
+        (["--network_module", "networks.lokr", "--network_args", "factor=0"],
+         "--network_args factor=0: LoKr's factor must be -1 (the most balanced split of each layer) or a whole "
+         "number >= 1"),
+        (["--network_module", "lycoris.kohya", "--network_args", "algo=lokr", "factor=0"],
+         "--network_args factor=0: LoKr's factor must be -1"),
         # 7. optimizer arguments of the wrong kind
         (["--optimizer_type", "Prodigy", "--learning_rate", "1", "--optimizer_args", "safeguard_warmup=maybe"],
          "--optimizer_args safeguard_warmup=maybe: Prodigy takes true or false for safeguard_warmup"),
@@ -72,6 +92,11 @@ def early_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
          "--optimizer_args decouple=maybe: DAdaptAdam takes true or false for decouple"),
         (["--optimizer_type", "AdamWScheduleFree", "--optimizer_args", "warmup_steps=abc"],
          "--optimizer_args warmup_steps=abc: AdamWScheduleFree takes a number for warmup_steps"),
+        # 12. sample prompt options kohya would clamp or pass on
+        (sampled("a dog --w -512"), "width (--w) -512 must be 64 to 8192 pixels"),
+        (sampled("a dog --h 100000"), "height (--h) 100000 must be 64 to 8192 pixels"),
+        (sampled("a dog --s 0"), "sample_steps (--s) 0 must be 1 to 1000"),
+        (sampled("a dog --l nan"), "scale (--l) nan must be a finite number"),
     ]
 
 
@@ -107,6 +132,17 @@ def test_network_args_in_one_string_are_split_as_optimizer_args_are(tiny_models,
     argv = unloadable_model_args(tiny_models, tmp_path) + base_args(tiny_models, demo_dataset, output_dir)[4:]
     message = run_expecting_user_error(capsys, argv + ["--network_args", "conv_dim=4 conv_alpha=1"], output_dir)
     assert "unloadable.ckpt" in message  # the arguments were accepted; the run got to the model
+
+
+# -- 12. a folder of configs only passed as the model -----------------------------------------------
+def test_a_config_folder_as_the_model_is_one_line_before_loading(tiny_models, demo_dataset, output_dir, capsys):
+    argv = replace_flag(base_args(tiny_models, demo_dataset, output_dir), "--pretrained_model_name_or_path",
+                        str(tiny_models["sdxl_config"]))
+    message = run_expecting_user_error(capsys, argv, output_dir)
+    assert message == (f"error: --pretrained_model_name_or_path: {tiny_models['sdxl_config']} has no weights in "
+                       f"unet/ (a folder of configs only?); give a diffusers model folder with weights, or a single "
+                       f".safetensors file with this folder as --model_config_dir")
+    assert "diffusion_pytorch_model" not in capsys.readouterr().out  # none of diffusers' search chatter
 
 
 # -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------
