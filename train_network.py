@@ -263,6 +263,7 @@ class NetworkTrainer:
             args.seed = shared_random_seed(accelerator)
             print(f"--seed not given: using {args.seed}")
         seed_everything(args.seed)
+        resume_from = train_state.find_resume_state(args, accelerator.num_processes)  # before any model load
 
         min_bucket_steps = 32 if self.is_sdxl else 64
         dataset = datasets.build_dataset(args, min_bucket_steps)
@@ -344,7 +345,7 @@ class NetworkTrainer:
         if scaler is not None:
             stateful["loss_scaler"] = scaler
         states = train_state.RunStates(store, network, stateful)
-        resumed = states.resume(args.resume, device)
+        resumed = states.resume(resume_from, device)
         if resumed and (args.initial_step is not None or args.initial_epoch is not None):
             print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")
         progress_state = resumed or train_state.initial_progress(args, steps_per_epoch, progress_state)

@@ -8,8 +8,9 @@ fsynced, so a power loss too leaves it whole or absent); only then is the tracke
 (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and only then are
 old states removed; a full disk leaves no partial state behind. So at any instant the newest
 complete state is intact and findable; ``--resume auto`` verifies it and falls back to the
-newest intact one. A state whose LoRA or optimizer holds NaN/Inf (a diverged run) is never
-written: it replaces, rotates away and hides no good state.
+newest intact one (``find_resume_state``, before any model is loaded, also refuses a state
+written with other protected arguments). A state whose LoRA or optimizer holds NaN/Inf (a
+diverged run) is never written: it replaces, rotates away and hides no good state.
 """
 from __future__ import annotations
 
@@ -185,6 +186,20 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "optimizer_type": args.optimizer_type,
         "world_size": num_processes,
     }
+
+
+def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[Path]:
+    """The state folder ``--resume`` names (a folder, or "auto": the newest intact one), verified and
+    checked against this run's protected arguments; None to start fresh (no ``--resume``, or "auto"
+    found no state). Reads manifests and checksums only, so a changed setting or a damaged state
+    costs seconds, not a model load; call once the seed is known (it is a protected argument)."""
+    if not args.resume:
+        return None
+    store = StateStore(args.output_dir, args.output_name, protected_arguments(args, num_processes))
+    path = store.resolve(args.resume)
+    if path is not None:
+        store.check_arguments(path)
+    return path
 
 
 # -- RNGs ---------------------------------------------------------------------------------
@@ -391,8 +406,8 @@ class StateStore:
         print("--resume auto: no state found; starting from the beginning")
         return None
 
-    def load(self, path: Path) -> TrainingState:
-        """Read a verified state; refuse one written with different protected arguments."""
+    def check_arguments(self, path: Path) -> None:
+        """Refuse a state written with other protected arguments (its manifest lists them)."""
         manifest = json.loads((path / MANIFEST).read_text())
         saved = manifest.get("arguments", {})
         for key in sorted(set(saved) | set(self.protected)):
@@ -401,6 +416,10 @@ class StateStore:
                     f"--resume {path}: the state was written with {key}={saved.get(key)!r}, this run has "
                     f"{key}={self.protected.get(key)!r}; resume with the same settings"
                 )
+
+    def load(self, path: Path) -> TrainingState:
+        """Read a verified state; refuse one written with different protected arguments."""
+        self.check_arguments(path)
         progress = Progress(**json.loads((path / "progress.json").read_text()))
         components = torch.load(path / "components.pt", map_location="cpu", weights_only=False)
         rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
@@ -416,11 +435,9 @@ class RunStates:
         self.network = network
         self.components = components
 
-    def resume(self, resume: Optional[str], device: torch.device) -> Optional[Progress]:
-        """Load the state ``--resume`` names (a folder, or "auto") into the network, the components
-        and the RNGs; returns its progress, or None to start fresh (no ``--resume``, or "auto"
-        found no state)."""
-        path = self.store.resolve(resume) if resume else None
+    def resume(self, path: Optional[Path], device: torch.device) -> Optional[Progress]:
+        """Load the state folder ``path`` (from ``find_resume_state``) into the network, the components
+        and the RNGs; returns its progress, or None to start fresh (``path`` None)."""
         if path is None:
             return None
         state = self.store.load(path)

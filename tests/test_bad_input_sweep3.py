@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_trainer, train_expecting_user_error
+from safetensors.torch import load_file
 from test_bad_input import output_dir  # noqa: F401  (the fixture: an output folder holding an earlier LoRA)
 from test_bad_input import base_args, replace_flag, run_expecting_user_error, unloadable_model_args
 
@@ -143,6 +146,70 @@ def test_a_config_folder_as_the_model_is_one_line_before_loading(tiny_models, de
                        f"unet/ (a folder of configs only?); give a diffusers model folder with weights, or a single "
                        f".safetensors file with this folder as --model_config_dir")
     assert "diffusion_pytorch_model" not in capsys.readouterr().out  # none of diffusers' search chatter
+
+
+# -- 9. resume: the manifest is checked before the model is read -------------------------------------
+@pytest.fixture(scope="module")
+def state_of_a_ckpt_run(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, Path]:
+    """A finished run with states, trained from a .ckpt copy of the tiny SDXL; the .ckpt is then
+    replaced by junk of the same size, so its name and size (what the state protects) still match
+    but reading it fails: any refusal other than that one happened before the model load."""
+    root = tmp_path_factory.mktemp("ckpt_run")
+    model = root / "model.ckpt"
+    torch.save({"state_dict": load_file(str(tiny_models["sdxl_file"]))}, model)
+    output_dir = root / "out"
+    run_trainer("sdxl_train_network", resume_argv(tiny_models, demo_dataset, model, output_dir) + [
+        "--max_train_steps", "2", "--save_state", "--save_every_n_steps", "2"])
+    model.write_bytes(b"x" * model.stat().st_size)
+    return {"model": model, "output_dir": output_dir, "state": output_dir / "last-step00000002-state"}
+
+
+def resume_argv(tiny_models, dataset: Path, model: Path, output_dir: Path) -> list[str]:
+    return ["--pretrained_model_name_or_path", str(model), "--model_config_dir", str(tiny_models["sdxl_config"]),
+            "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+            "--output_dir", str(output_dir), "--max_data_loader_n_workers", "0", "--network_train_unet_only",
+            "--seed", "1", "--network_dim", "4"]
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--network_dim", "8"], "network_dim"),
+    (["--network_alpha", "2"], "network_alpha"),
+    (["--network_args", "conv_dim=2"], "network_args"),
+    (["--mixed_precision", "bf16"], "mixed_precision"),
+    (["--train_batch_size", "2"], "train_batch_size"),
+    (["--gradient_accumulation_steps", "2"], "gradient_accumulation_steps"),
+    (["--resolution", "128"], "resolution"),
+    (["--seed", "2"], "seed"),
+    (["--optimizer_type", "SGDNesterov"], "optimizer_type"),
+    (["--network_module", "networks.loha"], "network_module"),
+])
+def test_resume_mismatches_are_refused_before_the_model_is_read(flags, key, state_of_a_ckpt_run, tiny_models,
+                                                                demo_dataset, capsys, tmp_path):
+    run = state_of_a_ckpt_run
+    argv = resume_argv(tiny_models, demo_dataset, run["model"], run["output_dir"]) + [
+        "--max_train_steps", "4", "--resume", str(run["state"])]
+    for flag in flags[::2]:  # this case's value replaces the run's
+        if flag in argv:
+            index = argv.index(flag)
+            del argv[index:index + 2]
+    message = train_expecting_user_error(argv + flags, capsys)
+    assert message.startswith(f"error: --resume {run['state']}: the state was written with {key}="), message
+    assert message.endswith("; resume with the same settings")
+
+
+def test_a_damaged_state_is_refused_before_the_model_is_read_and_an_intact_one_reaches_it(
+        state_of_a_ckpt_run, tiny_models, demo_dataset, capsys, tmp_path):
+    run = state_of_a_ckpt_run
+    damaged = tmp_path / "damaged-state"
+    shutil.copytree(run["state"], damaged)
+    progress = damaged / "progress.json"
+    progress.write_text(progress.read_text().replace('"global_step": 2', '"global_step": 3'))
+    argv = resume_argv(tiny_models, demo_dataset, run["model"], run["output_dir"]) + ["--max_train_steps", "4"]
+    message = train_expecting_user_error(argv + ["--resume", str(damaged)], capsys)
+    assert "the state is damaged (checksum mismatch in progress.json)" in message
+    # the intact state with the same settings passes every check and fails only at the (junk) model
+    message = train_expecting_user_error(argv + ["--resume", str(run["state"])], capsys)
+    assert "model.ckpt is not a readable checkpoint" in message
 
 
 # -- 4. a full disk: one line, exit code 1, earlier files kept, no temporary left --------------------
