@@ -4,7 +4,8 @@ File ``gradient_logs+<output_name>.txt`` in ``--grad_norm_log_dir`` (default
 ``--output_dir``), header ``Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff``
 then ``,Scale`` with a GradScaler and ``,CosineSim`` with ``--grad_cosine_log``;
 one row per optimizer step (see ``docs/grad_guard_spec.md``). Readers (``tools/``) use
-:func:`is_fork_layout` to also read logs of the original ``--skip_grad_norm`` fork.
+:func:`is_fork_layout` to also read logs of the original ``--skip_grad_norm`` fork, which wrote
+a row per micro-batch (:func:`fork_replay_config` replays its decisions).
 
 Typical use by a trainer::
 
@@ -20,13 +21,14 @@ from __future__ import annotations
 import argparse
 import atexit
 import csv
+import dataclasses
 import logging
 import math
 import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from library import atomic_files
 from library.errors import DiskFull, UserError
@@ -81,10 +83,67 @@ def is_fork_layout(steps: Iterable[float], epochs: Iterable[float] | None = None
     return epochs is not None and any(epoch == 0 for epoch in epochs)
 
 
-def fork_layout_note(path: str | os.PathLike[str], rows: int) -> str:
+def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two facts about a fork's run that its log does not hold (for the tools reading logs)."""
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
+                        help="for a log of the original --skip_grad_norm fork: its run's --gradient_accumulation_steps "
+                             "(the fork wrote one row per micro-batch and counted a step every N rows). Default: 1")
+    parser.add_argument("--initial_step", type=int, default=0, metavar="STEP",
+                        help="for a log of the original fork: the global step its run counted from (its "
+                             "--initial_step when run with --skip_until_initial_step, as in kohya's code; else 0). "
+                             "Default: 0")
+
+
+def check_fork_arguments(args: argparse.Namespace) -> None:
+    if args.gradient_accumulation_steps < 1:
+        raise UserError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} must be at least 1")
+    if args.initial_step < 0:
+        raise UserError(f"--initial_step {args.initial_step} must be at least 0")
+
+
+def fork_switch_row(nan_inf_until_step: int, epochs: Sequence[float], accumulation_steps: int,
+                    initial_step: int) -> int | None:
+    """The row (1-based) of a fork log after which the fork's run switched its NaN/Inf options for
+    ``--nan_inf_until_step``; None when not within the log (``epochs``: its Epoch column).
+
+    The fork decided, and logged, every micro-batch; it counted its global step from ``initial_step``
+    at the end of each accumulation window (accelerate's rule: every ``accumulation_steps`` rows of an
+    epoch, and at the epoch's last row) and switched after the window that brought the count to
+    ``nan_inf_until_step`` or beyond."""
+    count, position = initial_step, 0
+    for row, epoch in enumerate(epochs, 1):
+        position += 1
+        last_of_epoch = row == len(epochs) or epochs[row] != epoch
+        if position % accumulation_steps == 0 or last_of_epoch:
+            count += 1
+            if count >= nan_inf_until_step:
+                return row
+        if last_of_epoch:
+            position = 0
+    return None
+
+
+def fork_replay_config(config: Any, epochs: Sequence[float], accumulation_steps: int, initial_step: int) -> Any:
+    """A ``grad_guard.GuardConfig`` replaying a fork log's rows as steps 1..N with the fork's decisions:
+    its ``nan_inf_until_step`` becomes the row of :func:`fork_switch_row` (past the last row: none)."""
+    until = config.nan_inf_until_step
+    if until is None:
+        return config
+    row = fork_switch_row(until, epochs, accumulation_steps, initial_step)
+    return dataclasses.replace(config, nan_inf_until_step=row if row is not None else len(epochs) + 1)
+
+
+def fork_layout_note(path: str | os.PathLike[str], rows: int, accumulation_steps: int = 1,
+                     initial_step: int = 0) -> str:
     """The one line a reader prints when :func:`is_fork_layout` holds for the log at ``path``."""
-    return (f"{path}: Step restarts every epoch or Epoch starts at 0 (the original --skip_grad_norm fork's "
-            f"layout): rows taken in file order as global steps 1..{rows}")
+    layout = f"{path}: Step restarts every epoch or Epoch starts at 0 (the original --skip_grad_norm fork's layout)"
+    if accumulation_steps == 1 and initial_step == 0:
+        return (f"{layout}: rows taken in file order as global steps 1..{rows}; the fork wrote a row per "
+                f"micro-batch: give its run's --gradient_accumulation_steps and --initial_step when not 1 and 0, "
+                f"they decide where --nan_inf_until_step switches")
+    return (f"{layout}: rows 1..{rows} taken in file order, {accumulation_steps} per optimizer step counted from "
+            f"step {initial_step} (--gradient_accumulation_steps {accumulation_steps} --initial_step {initial_step}), "
+            f"which decides where --nan_inf_until_step switches")
 
 
 class GradientLog:
