@@ -95,6 +95,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_fork_arguments(args: argparse.Namespace) -> None:
+    """UserError for the values of :func:`add_fork_arguments` no run can have."""
     if args.gradient_accumulation_steps < 1:
         raise UserError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} must be at least 1")
     if args.initial_step < 0:
