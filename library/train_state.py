@@ -349,12 +349,14 @@ class StateStore:
             return None
 
     def remove_partial_writes(self) -> None:
-        """Delete temporary folders left by a state write that was killed before its rename."""
+        """Delete temporary folders left by a state write that was killed before its rename. Every
+        process of a multi-process run looks at the same time: one that finds a folder already gone
+        (removed by another) goes on."""
         if not self.output_dir.is_dir():
             return
         for path in self.output_dir.iterdir():
             if path.is_dir() and atomic_files.is_temporary(path.name, self.output_name):
-                shutil.rmtree(path)
+                shutil.rmtree(path, ignore_errors=True)
                 print(f"removed the partial state write {path}")
 
     # -- finding and reading ------------------------------------------------------------------
