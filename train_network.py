@@ -15,6 +15,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -325,12 +326,14 @@ class NetworkTrainer:
         """Options resolved, data, models, network, optimization, state (resumed) and outputs; None
         after ``--debug_dataset`` has printed the batches."""
         accelerator = self.resolve_options(args, explicit)
+        resume_from = train_state.find_resume_state(args, accelerator.num_processes)  # before any model load
         data = self.build_data(args, accelerator)
         if data is None:
             return None
         models, network, loss = self.build_model(args, accelerator, data)
         optimization = self.build_optimization(args, accelerator, network, data)
-        states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data)
+        states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data,
+                                                                   resume_from)
         validator = validation.create(args, data.validation_dataset, accelerator,
                                       loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
         metadata = {} if not accelerator.is_main_process else self.run_metadata(
@@ -449,9 +452,10 @@ class NetworkTrainer:
                             monitor, healer, agree, fault_injection.parse_injections(args.debug_inject_grad))
 
     def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
-                    optimization: Optimization, data: TrainingData
+                    optimization: Optimization, data: TrainingData, resume_from: Optional[Path]
                     ) -> tuple[train_state.RunStates, train_state.Progress, Optional[int], bool]:
-        """The run's state store and progress, resumed when ``--resume`` finds a state; the resumed step
+        """The run's state store and progress, resumed from the state ``resume_from`` (found by
+        ``train_state.find_resume_state`` before the models loaded) when given; the resumed step
         (None: a fresh run); whether the state now is the first healthy point (a fresh run's initial
         state, or a resumed state that kept none)."""
         store = train_state.StateStore(
@@ -469,7 +473,7 @@ class NetworkTrainer:
         if optimization.scaler is not None:
             stateful["loss_scaler"] = optimization.scaler
         states = train_state.RunStates(store, network, stateful, not_captured=("healing",))
-        resumed = states.resume(args.resume, accelerator.device)
+        resumed = states.resume(resume_from, accelerator.device)
         if resumed and (args.initial_step is not None or args.initial_epoch is not None):
             print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")
         progress = resumed or train_state.initial_progress(args, data.steps_per_epoch, progress)
@@ -944,6 +948,7 @@ def main(trainer_class: type = NetworkTrainer, parser_factory=setup_parser, argv
     """Parse the command line (and ``--config_file``) and train."""
     parser = parser_factory()
     args, explicit = config_file.parse_args(parser, argv)
+    fault_injection.simulate_full_disk(args)
     trainer_class().train(args, explicit)
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from library import atomic_files
 from library import checkpoint_keys as ck
 from library.errors import UserError, first_line
 
@@ -147,8 +148,8 @@ def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dty
     """Write ``models`` as one original-layout ``.safetensors`` file, atomically.
 
     ``dtype`` casts floating tensors (default: keep). The file is written to a
-    temporary name in the same folder and renamed over ``path``, so readers
-    never see a partial file.
+    temporary name in the same folder and renamed over ``path`` (``atomic_save_safetensors``),
+    so readers never see a partial file.
     """
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -176,15 +177,11 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
                             metadata: Mapping[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file`` to a temp file beside ``path``, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    """``safetensors.torch.save_file`` to a temporary beside ``path``, renamed over it
+    (``library.atomic_files``; streamed to disk, never a second copy in memory)."""
+    needed = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    with atomic_files.writing_file(path, needed) as temporary:
         save_file(dict(tensors), str(temporary), metadata=dict(metadata) if metadata else None)
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
 
 
 def iter_model_tensors(models: StableDiffusionModels) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,16 +17,17 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Container, Iterable, Sequence
 
 try:  # Python >= 3.11
     import tomllib as _toml_reader
 except ImportError:  # pragma: no cover - Python 3.10 uses the ``toml`` package from requirements.txt
     import toml as _toml_reader  # type: ignore[no-redef]
 
+from library import atomic_files
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,19 @@ def parse_args(
     return args, explicit
 
 
+def boolean_word(text: str) -> bool | None:
+    """A kohya-style boolean value of ``key=value`` options: true/false, 1/0, yes/no in any case
+    (the GUI writes Python's ``True``/``False``); None for anything else."""
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+
+
+def key_value_items(items: Iterable[str] | None) -> list[str]:
+    """The ``key=value`` pairs of kohya-style options (``--network_args``, ``--optimizer_args``,
+    ``--lr_scheduler_args``): an item may hold several pairs separated by spaces, as the kohya_ss GUI
+    passes them ("conv_dim=4 conv_alpha=1"); a space not followed by ``name=`` stays in the value."""
+    return [pair for item in items or () for pair in re.split(r"\s+(?=[A-Za-z_]\w*=)", item.strip()) if pair]
+
+
 def resolve_config_path(name: str | os.PathLike[str]) -> Path:
     """The file ``--config_file name`` reads: ``name`` itself if it ends in ``.toml`` or exists, else ``name.toml``."""
     path = Path(name)
@@ -121,19 +135,21 @@ def dests_given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[
 def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     """The options a TOML file sets, by dest, converted and checked as on the command line.
 
-    - Top-level tables are flattened (their names are ignored); later keys win.
+    - Top-level tables are flattened (their names are ignored); later keys win. An option in a
+      table inside a table (``[a.b]``), which kohya drops silently, is refused.
     - ``""`` and ``[]`` mean "not set". ``false`` for a ``store_true`` flag means not set;
       ``true``/``false`` set a ``BooleanOptionalAction``; ``0``/``1`` are read as booleans for
       flags (kohya_ss GUI writes ``persistent_data_loader_workers = 1``).
     - A list sets an option taking several values; a single value is a one-item list.
     - ``max_token_length = 75`` means the default when 75 is not among the option's choices.
-    - Keys no option defines are listed in one warning line and otherwise ignored.
+    - Keys no option defines are listed, with their tables (``model.epoch``), in one warning
+      line and otherwise ignored.
 
     Raises ``UserError`` naming the file (and the key) for a missing or unreadable file,
     invalid TOML, or a value the option would reject on the command line.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows Notepad) is no TOML
     except FileNotFoundError:
         raise UserError(f"--config_file {path}: no such file; give the path of a TOML file") from None
     except (OSError, UnicodeDecodeError) as error:
@@ -149,12 +165,16 @@ def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
 
     values: dict[str, Any] = {}
     unknown: list[str] = []
-    for key, raw in _flatten(document).items():
+    for where, key, raw in _flatten(document, actions_by_dest):
         if key in _IGNORED_KEYS:
             continue
         if key not in actions_by_dest:
-            unknown.append(key)
+            unknown.append(where)
             continue
+        if where.count(".") > 1 and not isinstance(raw, dict):  # [a.b] key: kohya drops it silently
+            section, _, _ = where.rpartition(".")
+            raise UserError(f"--config_file {path}: {where}: a table inside a table ([{section}]) is not read; "
+                            f"move {key} into [{section.partition('.')[0]}] or to the top of the file")
         is_set, value = _value_from_file(parser, actions_by_dest[key], key, raw, path)
         if is_set:
             values[key] = value
@@ -212,7 +232,7 @@ def write_config(
             "--output_config %s: left out option(s) whose value a TOML file cannot reproduce: %s",
             path, ", ".join(not_reproducible),
         )
-    _write_atomically(path, "\n".join(lines) + "\n")
+    atomic_files.write_file(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -300,14 +320,17 @@ def _convert_one(parser: argparse.ArgumentParser, action: argparse.Action, item:
     return value
 
 
-def _flatten(document: dict[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for name, value in document.items():
-        if isinstance(value, dict):
-            flat.update(value)  # a section: its name only groups the keys (kohya)
+def _flatten(table: dict[str, Any], options: Container[str], prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(key with its tables, key, value) of every value of ``table``, the keys of nested tables included,
+    in file order. A section's name only groups its keys (kohya); a table inside a section that is
+    named like an option stays one value (the option's reader refuses it)."""
+    entries = []
+    for key, value in table.items():
+        if isinstance(value, dict) and not (prefix and key in options):
+            entries.extend(_flatten(value, options, f"{prefix}{key}."))
         else:
-            flat[name] = value
-    return flat
+            entries.append((f"{prefix}{key}", key, value))
+    return entries
 
 
 def _optional_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -383,21 +406,6 @@ def _toml_key(key: str) -> str:
     if key and all(char.isascii() and (char.isalnum() or char in "_-") for char in key):
         return key
     return _toml_string(key)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _show(raw: Any) -> str:

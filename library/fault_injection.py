@@ -1,9 +1,16 @@
-"""Test hook: put NaN/Inf into the gradients at chosen optimizer steps.
+"""Test hooks (hidden from --help): faults injected where they really happen.
 
-``--debug_inject_grad STEP=nan|inf[@RANK] ...`` (hidden from --help) makes the trainer
-write the value into the first trainable gradient right after the backward of the
-step's last micro-batch, before the guard measures. The GradScaler, the gradient guard
-and the multi-process agreement then meet a real non-finite gradient; nothing is mocked.
+``--debug_inject_grad STEP=nan|inf[@RANK] ...`` makes the trainer write the value into the
+first trainable gradient right after the backward of the step's last micro-batch, before the
+guard measures. The GradScaler, the gradient guard and the multi-process agreement then meet a
+real non-finite gradient; nothing is mocked.
+
+``--debug_kill_in_state_write K`` SIGKILLs the process while the K-th state is written.
+
+``--debug_disk_full_after_bytes N`` makes the disk look full once the run's file writes
+(``library.atomic_files``: LoRA files, states, logs, caches) took N bytes: the write that
+exceeds it stores what fits and fails with ENOSPC, as on a full disk, so the real error path
+runs (tests need no small filesystem, which needs root to mount).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from library import atomic_files
 from library.errors import UserError
 
 VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -27,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug_inject_grad", type=str, nargs="*", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug_kill_in_state_write", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug_report_weights", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--debug_disk_full_after_bytes", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def simulate_full_disk(args: argparse.Namespace) -> None:
+    """Apply ``--debug_disk_full_after_bytes`` to this process's file writes (off without it)."""
+    atomic_files.simulate_full_disk(args.debug_disk_full_after_bytes)
 
 
 @dataclass(frozen=True)

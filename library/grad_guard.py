@@ -444,9 +444,12 @@ class GradGuard:
                          else self.config.nan_inf_options)
 
 
+def print_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def replay_decisions(rows: Sequence[tuple[int, float]], config: GuardConfig, events: Sequence[Sequence[str]] = (),
-                     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
-                     ) -> list[tuple[int, float, GuardDecision]]:
+                     announce: Callable[[str], None] = print_to_stderr) -> list[tuple[int, float, GuardDecision]]:
     """A fresh :class:`GradGuard` over a log's (step, norm) ``rows``, as training decided them (the replay
     and plot tools); (step, norm, decision) per row. ``events``: the
     run's (Step, Event, Detail) rows: after a ``healthy`` step the guard's state is kept, after a

@@ -4,7 +4,8 @@ File ``gradient_logs+<output_name>.txt`` in ``--grad_norm_log_dir`` (default
 ``--output_dir``), header ``Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff``
 then ``,Scale`` with a GradScaler and ``,CosineSim`` with ``--grad_cosine_log``;
 one row per optimizer step (see ``docs/grad_guard_spec.md``). Readers (``tools/``) use
-:func:`is_fork_layout` to also read logs of the original ``--skip_grad_norm`` fork.
+:func:`is_fork_layout` to also read logs of the original ``--skip_grad_norm`` fork, which wrote
+a row per micro-batch (:func:`fork_replay_config` replays its decisions).
 
 Typical use by a trainer::
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import csv
+import dataclasses
 import io
 import logging
 import math
@@ -27,9 +29,10 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
-from library.errors import UserError
+from library import atomic_files
+from library.errors import DiskFull, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +86,76 @@ def is_fork_layout(steps: Iterable[float], epochs: Iterable[float] | None = None
     return epochs is not None and any(epoch == 0 for epoch in epochs)
 
 
-def fork_layout_note(path: str | os.PathLike[str], rows: int) -> str:
+def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two facts about a fork's run that its log does not hold (for the tools reading logs)."""
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
+                        help="for a log of the original --skip_grad_norm fork: its run's --gradient_accumulation_steps "
+                             "(the fork wrote one row per micro-batch and counted a step every N rows). Default: 1")
+    parser.add_argument("--initial_step", type=int, default=0, metavar="STEP",
+                        help="for a log of the original fork: the global step its run counted from (its "
+                             "--initial_step when run with --skip_until_initial_step, as in kohya's code; else 0). "
+                             "Default: 0")
+
+
+def check_fork_arguments(args: argparse.Namespace) -> None:
+    """UserError for the values of :func:`add_fork_arguments` no run can have."""
+    if args.gradient_accumulation_steps < 1:
+        raise UserError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} must be at least 1")
+    if args.initial_step < 0:
+        raise UserError(f"--initial_step {args.initial_step} must be at least 0")
+
+
+def fork_switch_row(nan_inf_until_step: int, epochs: Sequence[float], accumulation_steps: int,
+                    initial_step: int) -> int | None:
+    """The row (1-based) of a fork log after which the fork's run switched its NaN/Inf options for
+    ``--nan_inf_until_step``; None when not within the log (``epochs``: its Epoch column).
+
+    The fork decided, and logged, every micro-batch; it counted its global step from ``initial_step``
+    at the end of each accumulation window (accelerate's rule: every ``accumulation_steps`` rows of an
+    epoch, and at the epoch's last row) and switched after the window that brought the count to
+    ``nan_inf_until_step`` or beyond."""
+    count, position = initial_step, 0
+    for row, epoch in enumerate(epochs, 1):
+        position += 1
+        last_of_epoch = row == len(epochs) or epochs[row] != epoch
+        if position % accumulation_steps == 0 or last_of_epoch:
+            count += 1
+            if count >= nan_inf_until_step:
+                return row
+        if last_of_epoch:
+            position = 0
+    return None
+
+
+def fork_replay_config(config: Any, epochs: Sequence[float], accumulation_steps: int, initial_step: int) -> Any:
+    """A ``grad_guard.GuardConfig`` replaying a fork log's rows as steps 1..N with the fork's decisions:
+    its ``nan_inf_until_step`` becomes the row of :func:`fork_switch_row` (past the last row: none)."""
+    until = config.nan_inf_until_step
+    if until is None:
+        return config
+    row = fork_switch_row(until, epochs, accumulation_steps, initial_step)
+    return dataclasses.replace(config, nan_inf_until_step=row if row is not None else len(epochs) + 1)
+
+
+def fork_layout_note(path: str | os.PathLike[str], rows: int, accumulation_steps: int = 1,
+                     initial_step: int = 0) -> str:
     """The one line a reader prints when :func:`is_fork_layout` holds for the log at ``path``."""
-    return (f"{path}: Step restarts every epoch or Epoch starts at 0 (the original --skip_grad_norm fork's "
-            f"layout): rows taken in file order as global steps 1..{rows}")
+    layout = f"{path}: Step restarts every epoch or Epoch starts at 0 (the original --skip_grad_norm fork's layout)"
+    if accumulation_steps == 1 and initial_step == 0:
+        return (f"{layout}: rows taken in file order as global steps 1..{rows}; the fork wrote a row per "
+                f"micro-batch: give its run's --gradient_accumulation_steps and --initial_step when not 1 and 0, "
+                f"they decide where --nan_inf_until_step switches")
+    return (f"{layout}: rows 1..{rows} taken in file order, {accumulation_steps} per optimizer step counted from "
+            f"step {initial_step} (--gradient_accumulation_steps {accumulation_steps} --initial_step {initial_step}), "
+            f"which decides where --nan_inf_until_step switches")
 
 
 class GradientLog:
     """Appends one CSV row per optimizer step to ``path``.
 
     Invariants: rows are held in memory until ``flush_every`` are pending or
-    :meth:`flush` is called; a flush appends them, flushes and fsyncs the file, so
-    after it returns every appended row is on disk exactly once. Only :meth:`flush` and
+    :meth:`flush` is called; a flush writes them and fsyncs the file, so after it returns
+    every appended row is on disk exactly once. Only :meth:`flush` and
     :meth:`truncate_after` write; :meth:`start` plans the file's first write.
     """
 
@@ -107,6 +168,7 @@ class GradientLog:
         self.flush_every = flush_every
         self._pending: list[tuple[int, str]] = []  # (step, CSV line)
         self._flushing = False
+        self._disk_full = False
         # Rows the file starts from, written at the first flush (see start); None: use the file as it is.
         self._kept_rows: list[list[str]] | None = None
         # The self-healing events of the same steps, in their own file beside this one (EventLog).
@@ -161,28 +223,35 @@ class GradientLog:
             self.flush()
 
     def flush(self) -> None:
-        """Append the pending rows, then flush and fsync. Safe to call any time, also re-entrantly
-        from a signal handler (a nested call returns at once)."""
-        if self._flushing or not self._pending:
+        """Write the pending rows durably (fsynced). Safe to call any time, also re-entrantly from a
+        signal handler (a nested call returns at once).
+
+        The first flush of a run writes the whole file at once (header, the rows kept by
+        :meth:`start`, the pending rows) under a temporary name and renames it over the old log, so
+        an old log is replaced only by one holding this run's rows; later flushes append. A full disk
+        raises ``DiskFull`` once; the log then stops writing (its rows could not be kept anyway, and a
+        flush at exit must not print a second error). The events file follows the log's rows."""
+        if self._flushing or self._disk_full:
+            return
+        if not self._pending:
             self.events.flush(log_started=self._kept_rows is None)
             return
         self._flushing = True
         try:
-            if self._kept_rows is not None:
-                self._rewrite(self._kept_rows)
-                self._kept_rows = None
             count = len(self._pending)
             text = "".join(line for _, line in self._pending[:count])
-            needs_header = not self.path.exists() or self.path.stat().st_size == 0
-            if needs_header:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                text = ",".join(self.columns) + "\n" + text
-            with open(self.path, "a", encoding="utf-8", newline="") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
+            if self._kept_rows is not None:
+                self._rewrite(self._kept_rows, text)
+                self._kept_rows = None
+            else:
+                if not self.path.exists() or self.path.stat().st_size == 0:
+                    text = ",".join(self.columns) + "\n" + text
+                atomic_files.append_to_file(self.path, text)
             del self._pending[:count]
             self.events.flush(log_started=True)
+        except DiskFull:
+            self._disk_full = True
+            raise
         finally:
             self._flushing = False
 
@@ -221,9 +290,10 @@ class GradientLog:
                 kept.append([by_name.get(column, "") for column in self.columns])
         return kept
 
-    def _rewrite(self, rows: Iterable[list[str]]) -> None:
-        """Atomically replace the file with the header and ``rows``."""
-        _replace_text(self.path, ",".join(self.columns) + "\n" + "".join(",".join(row) + "\n" for row in rows))
+    def _rewrite(self, rows: Iterable[list[str]], pending_text: str = "") -> None:
+        """Atomically replace the file with the header, ``rows`` and ``pending_text`` (CSV lines)."""
+        lines = [",".join(self.columns) + "\n", *(",".join(row) + "\n" for row in rows), pending_text]
+        atomic_files.write_file(self.path, "".join(lines))
 
 
 def events_path(log_path: str | os.PathLike[str]) -> Path:
@@ -262,16 +332,13 @@ class EventLog:
                 if not kept and not self._pending:
                     self.path.unlink()
                     return
-                _replace_text(self.path, _csv_line(EVENT_COLUMNS) + "".join(_csv_line(row) for row in kept))
+                atomic_files.write_file(self.path, _csv_line(EVENT_COLUMNS) + "".join(_csv_line(row) for row in kept))
         if not self._pending:
             return
         text = "".join(self._pending)
         if not self.path.exists():
             text = _csv_line(EVENT_COLUMNS) + text
-        with open(self.path, "a", encoding="utf-8", newline="") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
+        atomic_files.append_to_file(self.path, text)
         self._pending.clear()
 
 
@@ -295,17 +362,6 @@ def _csv_line(values: Iterable[str]) -> str:
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="\n").writerow(values)
     return buffer.getvalue()
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Atomically replace ``path`` by ``text`` (temp file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8", newline="") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def install_flush_handlers(flush: Callable[[], None],

@@ -52,6 +52,10 @@ def validate_arguments(args: argparse.Namespace) -> None:
             raise UserError(f"--{flag} {value} must be a positive integer")
     if args.output_name is None:
         args.output_name = "last"
+    if not args.output_name.strip():
+        raise UserError(f"--output_name {args.output_name!r}: give a file name without extension, e.g. --output_name "
+                        f"my_lora (an empty name writes the hidden file .safetensors; leave the option out for "
+                        f"kohya's default 'last')")
 
 
 def apply_epoch_ratio(args: argparse.Namespace, num_epochs: int) -> None:

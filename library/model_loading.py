@@ -34,6 +34,8 @@ MODEL_CONFIGS_DIR = Path(__file__).resolve().parent / "model_configs"
 SHIPPED_CONFIG_NAMES: dict[str, str] = {"sdxl": "sdxl_base", "sd1": "sd15", "sd2": "sd2_v"}
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+# Weight files of a diffusers/transformers component folder (also sharded: their .index.json).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
 _VAE_TOP_LEVEL = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
 # (component, owning module, attribute) -> the dtype that parameter is stored in; None: float32.
@@ -119,6 +121,7 @@ def check_model_paths(args: argparse.Namespace, *, sdxl: bool) -> None:
     path = _existing_model_path(args.pretrained_model_name_or_path)
     if path.is_dir():
         _check_diffusers_folder(path, kind)
+        _check_folder_weights(path, kind, with_vae=args.vae is None)
     else:
         if args.model_config_dir is not None:
             _check_config_dir(Path(args.model_config_dir), kind)
@@ -246,6 +249,18 @@ def _check_diffusers_folder(folder: Path, kind: ModelKind) -> None:
         if bool(unet_config.get("use_linear_projection")) != (kind == "sd2"):
             hint = "drop --v2" if kind == "sd2" else "pass --v2"
             raise UserError(f"{flag}: {folder} is an SD{'1' if kind == 'sd2' else '2'}.x model; {hint}")
+
+
+def _check_folder_weights(folder: Path, kind: ModelKind, with_vae: bool) -> None:
+    """Every component a diffusers model folder is loaded from holds a weights file (diffusers would
+    print its search for one, then fail); a folder of configs only is meant as ``--model_config_dir``."""
+    components = ["unet", "text_encoder", *(["text_encoder_2"] if kind == "sdxl" else []), *(["vae"] if with_vae else [])]
+    for component in components:
+        sub = folder / component
+        if not sub.is_dir() or not any(name.endswith(_WEIGHT_SUFFIXES) for name in os.listdir(sub)):
+            raise UserError(f"--pretrained_model_name_or_path: {folder} has no weights in {component}/ (a folder of "
+                            f"configs only?); give a diffusers model folder with weights, or a single "
+                            f".safetensors file with this folder as --model_config_dir")
 
 
 def _only_fp16_weights(folder: Path) -> bool:

@@ -10,12 +10,13 @@ rates. The re-run happens only on that path, with the training RNG put back afte
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+
+from library import atomic_files
 
 REPORT_SUFFIX = "-nan_report.txt"
 
@@ -166,10 +167,4 @@ def write_report(path: Path, text: str, start_new: bool) -> None:
     """Atomically write ``text`` as the report (``start_new``: the run's first section, replacing an
     older run's report) or append it as a further section."""
     previous = "" if start_new or not path.exists() else path.read_text(encoding="utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.write(previous + text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    atomic_files.write_file(path, previous + text)

@@ -24,12 +24,12 @@ import importlib
 import inspect
 import logging
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from library.config_file import boolean_word, key_value_items
 from library.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
@@ -301,13 +301,12 @@ def parse_key_value_args(items: Sequence[str] | None, flag: str) -> dict[str, An
     passes them). Raises ``UserError`` naming ``flag`` for an item that is not ``key=value``.
     """
     parsed: dict[str, Any] = {}
-    for item in items or ():
-        for pair in re.split(r"\s+(?=[A-Za-z_]\w*=)", item.strip()):
-            key, separator, text = pair.partition("=")
-            key = key.strip()
-            if not separator or not key.isidentifier():
-                raise UserError(f"{flag}: {pair!r} is not key=value (e.g. weight_decay=0.01 betas=0.9,0.999)")
-            parsed[key] = _parse_value(text.strip())
+    for pair in key_value_items(items):
+        key, separator, text = pair.partition("=")
+        key = key.strip()
+        if not separator or not key.isidentifier():
+            raise UserError(f"{flag}: {pair!r} is not key=value (e.g. weight_decay=0.01 betas=0.9,0.999)")
+        parsed[key] = _parse_value(text.strip())
     return parsed
 
 
@@ -346,7 +345,7 @@ def _instantiate(args: argparse.Namespace, param_groups: list[Any]
     optimizer_class = resolve_optimizer_class(optimizer_type)
     known = _KNOWN_OPTIMIZERS.get(optimizer_type.lower())
     kwargs = _optimizer_kwargs(args)
-    _check_sequence_arguments(optimizer_class, kwargs)
+    _check_argument_kinds(optimizer_class, kwargs)
     lr: float | None = _check_learning_rate(args.learning_rate)
     groups = [dict(group) if isinstance(group, dict) else group for group in param_groups]
     if not groups:
@@ -380,19 +379,34 @@ def _instantiate(args: argparse.Namespace, param_groups: list[Any]
     return optimizer_class, kwargs, optimizer
 
 
-def _check_sequence_arguments(optimizer_class: type, kwargs: dict[str, Any]) -> None:
-    """Refuse a single value for an argument the optimizer takes as a tuple (``betas=0.9``), showing
-    the form it wants, instead of the optimizer's own ``'float' object is not subscriptable``."""
+def _check_argument_kinds(optimizer_class: type, kwargs: dict[str, Any]) -> None:
+    """Check each argument against the kind of the optimizer's default for it, and read booleans.
+
+    Refused, naming the argument and what it takes: one value where a tuple is taken (``betas=0.9``:
+    the optimizer's own error is ``'float' object is not subscriptable``), text where a number is taken
+    (schedule-free's ``warmup_steps=abc`` fails only at the first step, after the model load), and
+    anything but a boolean where one is taken (Prodigy's ``safeguard_warmup=maybe`` would reach it as a
+    true string). Booleans are read as ``--network_args`` reads them (true/false, 1/0, yes/no; any
+    case) and replaced in ``kwargs``. Arguments whose default is None or absent are the optimizer's to judge.
+    """
     try:
         parameters = inspect.signature(optimizer_class).parameters
     except (TypeError, ValueError):  # a class without an inspectable signature: the optimizer decides
         return
+    name = optimizer_class.__name__
     for key, value in kwargs.items():
         default = parameters[key].default if key in parameters else None
+        shown = ",".join(str(item) for item in value) if isinstance(value, (tuple, list)) else value
         if isinstance(default, tuple) and not (isinstance(value, (tuple, list)) and len(value) == len(default)):
-            shown = ",".join(str(item) for item in value) if isinstance(value, (tuple, list)) else value
-            raise UserError(f"--optimizer_args {key}={shown}: {optimizer_class.__name__} takes {len(default)} "
-                            f"comma-separated values for {key}, e.g. {key}={','.join(str(item) for item in default)}")
+            raise UserError(f"--optimizer_args {key}={shown}: {name} takes {len(default)} comma-separated values "
+                            f"for {key}, e.g. {key}={','.join(str(item) for item in default)}")
+        if isinstance(default, bool):
+            kwargs[key] = boolean_word(str(value))
+            if kwargs[key] is None:
+                raise UserError(f"--optimizer_args {key}={shown}: {name} takes true or false for {key} "
+                                f"(True/False, 1/0, yes/no; default {default})")
+        elif isinstance(default, (int, float)) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"--optimizer_args {key}={shown}: {name} takes a number for {key} (default {default})")
 
 
 def _learning_rates(args: argparse.Namespace) -> dict[str, float]:
@@ -592,7 +606,10 @@ def _parse_value(text: str) -> Any:
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
-        return text
+        try:
+            return float(text)  # inf, -inf, nan (e.g. Prodigy's growth_rate=inf, its default)
+        except ValueError:
+            return text
 
 
 def _resolve_class(path: str, default_module: Any, flag: str) -> type:

@@ -3,9 +3,9 @@
 Prompt files (``--sample_prompts``), as in kohya-ss sd-scripts:
 
 * ``.txt``: one prompt per line (empty lines and lines starting with ``#`` ignored), options
-  after `` --``: ``--n`` negative prompt, ``--w``/``--h`` size (px, rounded down to a multiple
-  of 8, at least 64; default 512), ``--d`` seed (default: random), ``--s`` steps (1..1000,
-  default 30), ``--l`` CFG scale (default 7.5), ``--ss`` sampler for this prompt.
+  after `` --``: ``--n`` negative prompt, ``--w``/``--h`` size (64..8192 px, rounded down to a
+  multiple of 8; default 512), ``--d`` seed (default: random), ``--s`` steps (1..1000,
+  default 30), ``--l`` CFG scale (finite; default 7.5), ``--ss`` sampler for this prompt.
 * ``.toml``: a ``[prompt]`` table of defaults with ``[[prompt.subset]]`` entries; keys
   ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``,
   ``scale``, ``sample_sampler``.
@@ -30,7 +30,9 @@ private generator. Only the main process samples.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import random
 import re
@@ -42,7 +44,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from library import tracking
+from library import atomic_files, tracking
+from library.datasets.config import MAX_SIDE_PX
 from library.errors import UserError
 
 SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
@@ -130,13 +133,19 @@ def _from_dict(entry: dict[str, Any], index: int, source: str) -> SamplePrompt:
 
 
 def _checked(prompt: SamplePrompt, source: str) -> SamplePrompt:
+    """``prompt`` with kohya's rounding of the size down to a multiple of 8; UserError for values kohya
+    would silently clamp (a negative size, 0 steps) or pass on (a NaN scale)."""
+    where = f"--sample_prompts {source}: prompt {prompt.index}"
     if prompt.sampler is not None and prompt.sampler.lower() not in SAMPLERS:
-        raise UserError(f"--sample_prompts {source}: prompt {prompt.index}: sampler {prompt.sampler!r} is unknown; "
-                        f"valid: {', '.join(SAMPLERS)}")
-    return replace(prompt,
-                   width=max(64, prompt.width - prompt.width % 8),
-                   height=max(64, prompt.height - prompt.height % 8),
-                   sample_steps=max(1, min(1000, prompt.sample_steps)),
+        raise UserError(f"{where}: sampler {prompt.sampler!r} is unknown; valid: {', '.join(SAMPLERS)}")
+    for name, letter, value in (("width", "w", prompt.width), ("height", "h", prompt.height)):
+        if not 64 <= value <= MAX_SIDE_PX:
+            raise UserError(f"{where}: {name} (--{letter}) {value} must be 64 to {MAX_SIDE_PX} pixels")
+    if not 1 <= prompt.sample_steps <= 1000:
+        raise UserError(f"{where}: sample_steps (--s) {prompt.sample_steps} must be 1 to 1000")
+    if not math.isfinite(prompt.scale):
+        raise UserError(f"{where}: scale (--l) {prompt.scale} must be a finite number (CFG scale, e.g. 7.5)")
+    return replace(prompt, width=prompt.width - prompt.width % 8, height=prompt.height - prompt.height % 8,
                    sampler=prompt.sampler.lower() if prompt.sampler else None)
 
 
@@ -149,7 +158,7 @@ def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
     if suffix not in (".txt", ".toml", ".json"):
         raise UserError(f"--sample_prompts {path}: use a .txt, .toml or .json prompt file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # with or without Notepad's byte-order mark
     except FileNotFoundError:
         return []
     except OSError as error:
@@ -359,7 +368,9 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
             with autocast:
                 image = pipeline(**call).images[0]
             path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)
-            image.save(path)
+            png = io.BytesIO()
+            image.save(png, format="PNG")
+            atomic_files.write_file(path, png.getvalue())
             written.append(path)
             for_trackers.append((image, prompt.prompt))
     tracking.log_sample_images(accelerator, for_trackers, step)

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import toml
 
+from library import atomic_files
 from library.errors import UserError, first_line
 
 DEFAULT_TRACKER_NAME = "network_train"
@@ -135,8 +136,9 @@ def tracker_init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Per-tracker init options: ``--log_tracker_config``'s file, else the wandb run name."""
     if args.log_tracker_config:
         try:
-            return toml.load(args.log_tracker_config)
-        except (OSError, toml.TomlDecodeError) as error:
+            with open(args.log_tracker_config, encoding="utf-8-sig") as file:
+                return toml.load(file)
+        except (OSError, UnicodeDecodeError, toml.TomlDecodeError) as error:
             raise UserError(f"--log_tracker_config {args.log_tracker_config}: cannot read it as TOML ({error})")
     return {"wandb": {"name": args.wandb_run_name}} if args.wandb_run_name else {}
 
@@ -197,11 +199,12 @@ def log_sample_images(accelerator: Any, images: list[tuple[Any, str]], step: int
 class JsonlLog:
     """Appends one JSON object per optimizer step (``{"step": N, ...scalars}``) to ``path``.
 
-    Each line is flushed when written, so a tailing GUI sees it at once. A resumed run
+    Each line is written unbuffered, so a tailing GUI sees it at once. A resumed run
     first drops the lines of steps after the resumed step, so every step appears once.
     NaN/Inf are written as strings ("nan", "inf") to keep every line valid JSON. The file is
-    replaced (or cut) only when the first line is written: a run that fails before its
-    first step leaves an old file as it was.
+    replaced (or cut) only when the first line is written, atomically together with that
+    line: a run that fails before its first step (a full disk included) leaves an old file
+    as it was.
     """
 
     def __init__(self, path: str, resume_step: Optional[int] = None) -> None:
@@ -219,18 +222,15 @@ class JsonlLog:
         self._kept = kept
 
     def append(self, step: int, scalars: Mapping[str, Any]) -> None:
-        if self._file is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            temporary = f"{self.path}.{os.getpid()}.tmp"
-            with open(temporary, "w", encoding="utf-8") as file:
-                file.writelines(self._kept)
-            os.replace(temporary, self.path)
-            self._file = open(self.path, "a", encoding="utf-8")
         record = {"step": step}
         for key, value in scalars.items():
             record[key] = value if not isinstance(value, float) or math.isfinite(value) else str(value)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        if self._file is None:  # the old file is replaced by one holding this run's first line
+            atomic_files.write_file(self.path, "".join(self._kept) + line)
+            self._file = open(self.path, "ab", buffering=0)
+        else:
+            atomic_files.append_to_open_file(self._file, line)
 
     def close(self) -> None:
         if self._file is not None:

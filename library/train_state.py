@@ -3,17 +3,20 @@
 A state folder holds everything the next step depends on (LoRA, optimizer, LR schedule,
 loss scaler, gradient guard, RNGs, data position) plus ``manifest.json``: the format
 version, the arguments that must not change on resume, and a SHA-256 of every file.
-It is written under a temporary name and renamed when complete; only then is the
-tracker file (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and
-only then are old states removed. So at any instant the newest complete state is intact
-and findable; ``--resume auto`` verifies it and falls back to the newest intact one.
-A state whose LoRA or optimizer holds NaN/Inf (a diverged run) is never written: it replaces,
-rotates away and hides no good state.
+It is written under a temporary name and renamed when complete (``library.atomic_files``:
+fsynced, so a power loss too leaves it whole or absent); only then is the tracker file
+(``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and only then are
+old states removed; a full disk leaves no partial state behind. So at any instant the newest
+complete state is intact and findable; ``--resume auto`` verifies it and falls back to the
+newest intact one (``find_resume_state``, before any model is loaded, also refuses a state
+written with other protected arguments). A state whose LoRA or optimizer holds NaN/Inf (a
+diverged run) is never written: it replaces, rotates away and hides no good state.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import io
 import json
 import math
@@ -26,8 +29,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from library import atomic_files
+from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -169,7 +174,7 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "base_weights_multiplier": list(args.base_weights_multiplier or []),
         "network_dim": args.network_dim,
         "network_alpha": args.network_alpha,
-        "network_args": sorted(args.network_args or []),
+        "network_args": sorted(key_value_items(args.network_args)),
         "network_train_unet_only": bool(args.network_train_unet_only),
         "network_train_text_encoder_only": bool(args.network_train_text_encoder_only),
         # parts with learning rate 0 have no optimizer group: the optimizer state's layout depends on them
@@ -184,6 +189,20 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "optimizer_type": args.optimizer_type,
         "world_size": num_processes,
     }
+
+
+def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[Path]:
+    """The state folder ``--resume`` names (a folder, or "auto": the newest intact one), verified and
+    checked against this run's protected arguments; None to start fresh (no ``--resume``, or "auto"
+    found no state). Reads manifests and checksums only, so a changed setting or a damaged state
+    costs seconds, not a model load; call once the seed is known (it is a protected argument)."""
+    if not args.resume:
+        return None
+    store = StateStore(args.output_dir, args.output_name, protected_arguments(args, num_processes))
+    path = store.resolve(args.resume)
+    if path is not None:
+        store.check_arguments(path)
+    return path
 
 
 # -- RNGs ---------------------------------------------------------------------------------
@@ -203,31 +222,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _torch_bytes(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    _write_bytes(temporary, text.encode("utf-8"))
-    os.replace(temporary, path)
 
 
 @dataclass
@@ -313,41 +311,22 @@ class StateStore:
             keeps = f"{newest} stays the newest state (--resume auto resumes it)" if newest else "no state is kept"
             print(f"\nnot saving state {name}: {refusal}; {keeps}", flush=True)
             return None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        final = self.output_dir / name
-        temporary = self.output_dir / f".{name}.tmp{os.getpid()}"
-        if temporary.exists():
-            shutil.rmtree(temporary)
-        temporary.mkdir()
         files = {
-            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
             "components.pt": _torch_bytes(components),
+            "lora.safetensors": save({key: value.detach().cpu().contiguous() for key, value in lora.items()}),
+            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
             "rng.pt": _torch_bytes(rng_state()),
         }
-        for file_name, data in files.items():
-            _write_bytes(temporary / file_name, data)
-        save_file({key: value.detach().cpu().contiguous() for key, value in lora.items()}, temporary / "lora.safetensors")
-        with open(temporary / "lora.safetensors", "rb") as file:
-            os.fsync(file.fileno())
         manifest = {
             "format_version": FORMAT_VERSION,
             "global_step": progress.global_step,
             "arguments": self.protected,
-            "files": {path.name: file_sha256(path) for path in sorted(temporary.iterdir())},
+            "files": {file_name: hashlib.sha256(data).hexdigest() for file_name, data in files.items()},
         }
-        _write_bytes(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
-        _fsync_dir(temporary)
-        if self._before_rename is not None:
-            self._before_rename(temporary)
-        if final.exists():  # the same save point written again (e.g. after a resume)
-            stale = self.output_dir / f".{name}.old{os.getpid()}"
-            os.replace(final, stale)
-            os.replace(temporary, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(temporary, final)
-        _fsync_dir(self.output_dir)
-        atomic_write_text(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
+        files[MANIFEST] = json.dumps(manifest, indent=1).encode("utf-8")
+        final = self.output_dir / name
+        atomic_files.write_folder(final, files, before_rename=self._before_rename)
+        atomic_files.write_file(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
         return final
 
     def rotate(self, kind: str, current: int, every: int, keep: Optional[int]) -> None:
@@ -373,12 +352,14 @@ class StateStore:
             return None
 
     def remove_partial_writes(self) -> None:
-        """Delete temporary folders left by a state write that was killed before its rename."""
+        """Delete temporary folders left by a state write that was killed before its rename. Every
+        process of a multi-process run looks at the same time: one that finds a folder already gone
+        (removed by another) goes on."""
         if not self.output_dir.is_dir():
             return
         for path in self.output_dir.iterdir():
-            if path.is_dir() and path.name.startswith(f".{self.output_name}") and ".tmp" in path.name:
-                shutil.rmtree(path)
+            if path.is_dir() and atomic_files.is_temporary(path.name, self.output_name):
+                shutil.rmtree(path, ignore_errors=True)
                 print(f"removed the partial state write {path}")
 
     # -- finding and reading ------------------------------------------------------------------
@@ -430,8 +411,8 @@ class StateStore:
         print("--resume auto: no state found; starting from the beginning")
         return None
 
-    def load(self, path: Path) -> TrainingState:
-        """Read a verified state; refuse one written with different protected arguments."""
+    def check_arguments(self, path: Path) -> None:
+        """Refuse a state written with other protected arguments (its manifest lists them)."""
         manifest = json.loads((path / MANIFEST).read_text())
         saved = manifest.get("arguments", {})
         for key in sorted(set(saved) | set(self.protected)):
@@ -440,6 +421,10 @@ class StateStore:
                     f"--resume {path}: the state was written with {key}={saved.get(key)!r}, this run has "
                     f"{key}={self.protected.get(key)!r}; resume with the same settings"
                 )
+
+    def load(self, path: Path) -> TrainingState:
+        """Read a verified state; refuse one written with different protected arguments."""
+        self.check_arguments(path)
         progress = Progress(**json.loads((path / "progress.json").read_text()))
         components = torch.load(path / "components.pt", map_location="cpu", weights_only=False)
         rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
@@ -513,17 +498,17 @@ class RunStates:
             return 0
         return size(self.healthy_point or {})
 
-    def resume(self, resume: Optional[str], device: torch.device) -> Optional[Progress]:
-        """Load the state ``--resume`` names (a folder, or "auto") into the network, the components
-        and the RNGs; returns its progress, or None to start fresh (no ``--resume``, or "auto"
-        found no state)."""
-        path = self.store.resolve(resume) if resume else None
+    def resume(self, path: Optional[Path], device: torch.device) -> Optional[Progress]:
+        """Load the state folder ``path`` (from ``find_resume_state``) into the network, the components
+        and the RNGs; returns its progress, or None to start fresh (``path`` None)."""
         if path is None:
             return None
         state = self.store.load(path)
         self.network.load_training_state_dict({key: value.to(device) for key, value in state.lora.items()})
         self.healthy_point = state.components.get(HEALTHY_POINT)
         for name, component in self.components.items():
+            if name not in state.components and getattr(component, "STATE_OPTIONAL", False):
+                continue  # written before this component existed: it starts fresh
             try:
                 component.load_state_dict(state.components[name])
             except (KeyError, ValueError, RuntimeError) as error:

@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from library.errors import UserError
 from networks import network_base
 from networks.network_base import Target, WeightDeltaModule
 
@@ -112,7 +113,17 @@ class LoKrModule(WeightDeltaModule):
 
 def validate_network_args(network_args: Mapping[str, str]) -> None:
     network_base.validate_additional_network_args(network_args, KNOWN_NETWORK_ARGS, NETWORK_MODULE)
-    network_base.read_number(network_args, "factor", int, minimum=None)
+    check_factor(network_args)
+
+
+def check_factor(network_args: Mapping[str, str]) -> None:
+    """UserError unless ``factor`` is absent, -1 or >= 1 (also for lycoris.kohya's algo=lokr). kohya and
+    LyCORIS take 0 without a word and split every layer as 1 x its size: a 1x1 ``lokr_w1``, no Kronecker
+    structure left. Files written that way still load (``create_network_from_weights`` does not check)."""
+    factor = network_base.read_number(network_args, "factor", int, minimum=None)
+    if factor is not None and factor != -1 and factor < 1:
+        raise UserError(f"--network_args factor={network_args['factor']}: LoKr's factor must be -1 (the most "
+                        f"balanced split of each layer) or a whole number >= 1")
 
 
 def _make_module(multiplier: float, network_args: Mapping[str, str], use_tucker: bool):

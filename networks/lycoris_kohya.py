@@ -61,6 +61,7 @@ from lycoris.wrapper import network_module_dict
 from library import checkpoint_keys
 from library.errors import UserError, first_line
 from networks import network_base
+from networks.lokr import check_factor as check_lokr_factor
 from networks.network_base import AdapterNetwork, MaxNormStats
 
 NETWORK_MODULE = "lycoris.kohya"
@@ -155,6 +156,8 @@ def read_options(network_args: Mapping[str, str]) -> LycorisOptions:
         options.number(key)
     for key in BOOL_ARGS:
         options.flag(key)
+    if algo == "lokr":
+        check_lokr_factor(network_args)
     network_base.loraplus_ratios(network_args)
     preset_config(options.preset)
     if algo == "full" and options.flag("bypass_mode"):

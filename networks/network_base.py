@@ -41,7 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from library import fp8_base
+from library import atomic_files, fp8_base
+from library.config_file import boolean_word, key_value_items
 from library.errors import UserError
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
@@ -537,25 +538,14 @@ def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Map
 
 
 def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
-    """Write a network safetensors file atomically (temp name in the same folder, then rename).
+    """Write a network safetensors file atomically (``library.atomic_files``).
 
     Refuses non-finite weights so that a diverged run never replaces a good file.
     """
     bad_module = find_non_finite(state)
     if bad_module is not None:
         raise FloatingPointError(f"not saving {path}: LoRA module {bad_module} holds NaN/Inf")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(temp_path, "wb") as file:
-            file.write(canonical_safetensors_bytes(state, metadata))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp_path, path)
-    finally:
-        if os.path.exists(temp_path):
-            os.remove(temp_path)
+    atomic_files.write_file(path, canonical_safetensors_bytes(state, metadata))
 
 
 def group_by_module(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -569,10 +559,11 @@ def group_by_module(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, 
 
 
 # --------------------------------------------------------------------------- network_args
-def parse_network_args(pairs: Optional[list[str]]) -> dict[str, str]:
-    """``--network_args key=value ...`` as a dict of strings; a malformed item is a UserError."""
+def parse_network_args(items: Optional[list[str]]) -> dict[str, str]:
+    """``--network_args key=value ...`` as a dict of strings (an item may hold several pairs separated
+    by spaces, as ``--optimizer_args``); a malformed pair is a UserError."""
     parsed = {}
-    for pair in pairs or []:
+    for pair in key_value_items(items):
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--network_args: '{pair}' is not key=value (e.g. conv_dim=4 conv_alpha=1)")
@@ -630,21 +621,16 @@ def read_number(network_args: Mapping[str, str], key: str, kind: type[Number], d
     return value
 
 
-TRUE_STRINGS = ("true", "1", "yes")
-FALSE_STRINGS = ("false", "0", "no")
-
-
 def read_bool(network_args: Mapping[str, str], key: str, default: bool = False) -> bool:
     """``key`` as a boolean: "True"/"true"/"1" or "False"/"false"/"0" (any case; "" and "None"
     give ``default``). The GUI writes Python's ``False``: a non-empty string is not true here."""
     text = network_args.get(key)
     if text is None or _is_none(text):
         return default
-    if text.lower() in TRUE_STRINGS:
-        return True
-    if text.lower() in FALSE_STRINGS:
-        return False
-    raise UserError(f"--network_args {key}={text} is not a boolean (True/False, 1/0)")
+    value = boolean_word(text)
+    if value is None:
+        raise UserError(f"--network_args {key}={text} is not a boolean (True/False, 1/0)")
+    return value
 
 
 def read_list(network_args: Mapping[str, str], key: str, kind: type[Number], length: Optional[int] = None,

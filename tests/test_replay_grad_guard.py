@@ -191,3 +191,40 @@ def test_fork_layout_log_replays_as_global_steps(tmp_path, capsys, flags):
 ])
 def test_layout_detection(steps, epochs, fork):
     assert is_fork_layout(steps, epochs) is fork
+
+
+def fork_log_text(norms: list[float], rows_per_epoch: int) -> str:
+    """A log as the original fork writes it: a row per micro-batch, Epoch 0-based, Step the batch index
+    within the epoch, the warm-up threshold 200000."""
+    lines = ["Epoch,Step,Gradient Norm,Threshold,Loss,ThreshOff"]
+    for row, norm in enumerate(norms):
+        epoch, step = divmod(row, rows_per_epoch)
+        lines.append(f"{epoch},{step},{norm},200000,0.1,0")
+    return "\n".join(lines) + "\n"
+
+
+# What the fork's own code decided on these rows (its guard and loop, run by a harness outside the project):
+# NaN norms enter the window unskipped until --nan_inf_until_step 3 switches, after the row that completes
+# the fork's 3rd optimizer step: its global step counts accumulation windows (each epoch's last row ends
+# one too, as accelerate syncs there) from the step its run started at.
+@pytest.mark.parametrize("accumulation, initial_step, rows_per_epoch, nan_rows, switch_row, fork_skipped", [
+    (2, 0, 12, [4, 6, 7, 9], 6, [7, 9]),  # the log alone: switch after row 3, rows 4 and 6 skipped
+    (1, 2, 8, [1, 2, 3, 4], 1, [2, 3, 4]),  # from --initial_step 2: after row 1, not 3
+    (3, 0, 5, [5, 6, 7, 8, 9], 8, [9]),  # epochs of 5 micro-batches: windows of 3 and 2 rows
+])
+def test_fork_log_of_an_accumulation_or_initial_step_run_replays_as_the_fork_decided(
+        tmp_path, capsys, accumulation, initial_step, rows_per_epoch, nan_rows, switch_row, fork_skipped):
+    norms = [math.nan if row in nan_rows else 1.0 + 0.01 * (row % 7) for row in range(1, 13)]
+    log_path = tmp_path / "gradient_logs+fork.txt"
+    log_path.write_text(fork_log_text(norms, rows_per_epoch), encoding="utf-8")
+    flags = ["--skip_grad_norm", "--nan_to_window", "--no-skip_nan_immediate", "--nan_inf_until_step", "3"]
+    replay_tool.main([str(log_path), "--out", str(tmp_path / "o.csv"), *flags,
+                      "--gradient_accumulation_steps", str(accumulation), "--initial_step", str(initial_step)])
+    output = capsys.readouterr()
+    replayed = read_csv(tmp_path / "o.csv")
+    assert [index for index, row in enumerate(replayed, 1) if row["Skipped"] == "1"] == fork_skipped
+    note = output.out.splitlines()[0]
+    assert f"--gradient_accumulation_steps {accumulation} --initial_step {initial_step}" in note
+    assert "--nan_inf_until_step switches" in note
+    assert output.err.strip() == (f"gradient guard: --nan_inf_until_step 3 reached after row {switch_row} of the "
+                                  f"fork's log: NaN/Inf norms are now kept out of the window and skipped immediately")

@@ -26,7 +26,8 @@ definitions) the decisions and thresholds are replayed with the trainers' decisi
 
 Several logs are overlaid, one colour each. A log of the original ``--skip_grad_norm``
 fork (Step restarting at 0 every epoch, Epoch from 0) is drawn in file order, row i at
-step i, said in one line on stdout.
+step i, said in one line on stdout; the fork wrote a row per micro-batch, so a replay of it
+takes the fork run's ``--gradient_accumulation_steps`` and ``--initial_step``.
 
 Speed (a 100,000-row log with ~16,000 ThreshOff runs draws in a few seconds, see
 ``benchmarks/bench_plot_grad_log.py``): reading is vectorised, all the ThreshOff spans of
@@ -43,15 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import io  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from library import grad_guard  # noqa: E402
+from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.grad_log import (  # noqa: E402
-    BASE_COLUMNS, events_path, fork_layout_note, is_fork_layout, parse_cell, read_events,
+    BASE_COLUMNS, add_fork_arguments, check_fork_arguments, events_path, fork_layout_note, fork_replay_config,
+    is_fork_layout, parse_cell, read_events,
 )
 
 THRESH_OFF_SHADES = {1: ("#f4c542", "ThreshOff=1 (threshold NaN)"), 2: ("#7fb3e6", "ThreshOff=2 (idle-free phase)")}
@@ -105,7 +108,7 @@ def read_gradient_log(path: str | Path) -> GradientLogData:
     Raises ``UserError`` when the file is missing or not a gradient log."""
     path = Path(path)
     try:
-        with open(path, encoding="utf-8", newline="") as file:
+        with open(path, encoding="utf-8-sig", newline="") as file:  # a spreadsheet may add a byte-order mark
             rows = list(csv.reader(file))
     except OSError as error:
         raise UserError(f"{path}: cannot read the gradient log ({error.strerror or error})") from None
@@ -387,11 +390,12 @@ def plot_logs(logs: Sequence[GradientLogData], out: str | Path, *, smooth: int |
 
     figure = draw_logs(logs, smooth=smooth, title=title, dpi=dpi, width_in=width_in)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    image = io.BytesIO()
     try:
-        figure.savefig(out, dpi=dpi)
+        figure.savefig(image, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi)
     finally:
         plt.close(figure)
+    atomic_files.write_file(out, image.getvalue())
     return out
 
 
@@ -412,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--title", default=None, help="figure title. Default: skipped counts per log")
     parser.add_argument("--dpi", type=int, default=100, help="image resolution in dots per inch. Default: 100")
     grad_guard.add_arguments(parser)
+    add_fork_arguments(parser)
     return parser
 
 
@@ -424,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     guard_parser = argparse.ArgumentParser(add_help=False)
     grad_guard.add_arguments(guard_parser)
     guard_dests = {action.dest for action in guard_parser._actions}
+    check_fork_arguments(args)
     replay_config = grad_guard.GuardConfig.from_args(args) if explicit & guard_dests else None
     for flag in ("last", "smooth", "dpi"):
         value = getattr(args, flag)
@@ -433,10 +439,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
     logs = []
     for path in args.logs:
         log = read_gradient_log(path)
+        config = replay_config
         if log.fork_layout:
-            print(fork_layout_note(path, len(log)))
-        if replay_config is not None:  # replay needs every row from step 1, so it runs before the cut
-            replay_skips(log, replay_config)
+            print(fork_layout_note(path, len(log), args.gradient_accumulation_steps, args.initial_step))
+            if config is not None:
+                config = fork_replay_config(config, log.epoch.tolist(), args.gradient_accumulation_steps,
+                                            args.initial_step)
+        if config is not None:  # replay needs every row from step 1, so it runs before the cut
+            replay_skips(log, config)
         log = log.select((log.step >= low) & (log.step <= high))
         if args.last is not None:
             log = log.select(slice(max(len(log) - args.last, 0), None))

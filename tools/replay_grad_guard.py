@@ -5,7 +5,9 @@
 Reads any ``gradient_logs+*.txt`` (only ``Step`` and ``Gradient Norm`` are used;
 ``nan``/``inf`` are understood; ``Epoch`` only to recognise a log of the original
 ``--skip_grad_norm`` fork, whose Step restarts every epoch: its rows are replayed in file
-order as global steps 1..N, said in one line on stdout), runs the trainers' own decision code
+order, said in one line on stdout; the fork wrote a row per micro-batch, so give its run's
+``--gradient_accumulation_steps`` and ``--initial_step``: they decide the row where
+``--nan_inf_until_step`` switches), runs the trainers' own decision code
 (``library.grad_guard``) with the given flags, and writes
 ``Step,Gradient Norm,Threshold,ThreshOff,Skipped`` (one row per input row,
 Threshold empty when NaN) plus a one-line summary on stdout. Use it to tune
@@ -25,13 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import functools  # noqa: E402
+import io  # noqa: E402
 import math  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from library import grad_guard  # noqa: E402
+from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.grad_log import (  # noqa: E402
-    events_path, fork_layout_note, format_number, is_fork_layout, parse_cell, read_events,
+    add_fork_arguments, check_fork_arguments, events_path, fork_layout_note, fork_replay_config, format_number,
+    is_fork_layout, parse_cell, read_events,
 )
 
 OUTPUT_COLUMNS = ("Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped")
@@ -47,15 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--events", metavar="EVENTS.csv", default=None,
                         help="the run's self-healing events (default: healing_log+<name>.txt beside LOG, if present)")
     grad_guard.add_arguments(parser)
+    add_fork_arguments(parser)
     return parser
 
 
-def read_norms(path: Path) -> tuple[list[tuple[int, float]], bool]:
-    """(Step, Gradient Norm) of every row of a gradient log, and whether the log is in the original fork's
-    layout (see :func:`library.grad_log.is_fork_layout`; then Step is the 1-based row number).
-    UserError naming the line when a Step or norm is unreadable."""
+def read_norms(path: Path) -> tuple[list[tuple[int, float]], list[float] | None]:
+    """(Step, Gradient Norm) of every row of a gradient log, and, when the log is in the original fork's
+    layout (see :func:`library.grad_log.is_fork_layout`; then Step is the 1-based row number), its Epoch
+    column (else None). UserError naming the line when a Step or norm is unreadable."""
     try:
-        with open(path, encoding="utf-8", newline="") as file:
+        with open(path, encoding="utf-8-sig", newline="") as file:  # a spreadsheet may add a byte-order mark
             reader = csv.DictReader(file)
             missing = {"Step", "Gradient Norm"} - set(reader.fieldnames or [])
             if missing:
@@ -74,8 +80,8 @@ def read_norms(path: Path) -> tuple[list[tuple[int, float]], bool]:
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a text CSV gradient log") from None
     if not is_fork_layout((step for step, _ in rows), epochs):
-        return rows, False
-    return [(number, norm) for number, (_, norm) in enumerate(rows, 1)], True
+        return rows, None
+    return [(number, norm) for number, (_, norm) in enumerate(rows, 1)], epochs
 
 
 def read_run_events(log: Path, events: str | None) -> list[list[str]] | None:
@@ -96,15 +102,15 @@ def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.Guar
         if kind in ("rewind", "quarantine"):
             text = f"rewind to {detail}" if kind == "rewind" else f"quarantine {detail}"
             shown[int(step)] = f"{shown[int(step)]}; {text}" if int(step) in shown else text
-    columns = OUTPUT_COLUMNS + (("Event",) if events is not None else ())
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(OUTPUT_COLUMNS + (("Event",) if events is not None else ()))
+    for step, norm, decision in results:
+        threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
+        row = [step, format_number(norm), threshold, decision.thresh_off, int(decision.skip)]
+        writer.writerow(row + ([shown.get(step, "")] if events is not None else []))
     try:
-        with open(path, "w", encoding="utf-8", newline="") as file:
-            writer = csv.writer(file, lineterminator="\n")
-            writer.writerow(columns)
-            for step, norm, decision in results:
-                threshold = "" if math.isnan(decision.threshold) else format_number(decision.threshold)
-                row = [step, format_number(norm), threshold, decision.thresh_off, int(decision.skip)]
-                writer.writerow(row + ([shown.get(step, "")] if events is not None else []))
+        atomic_files.write_file(path, buffer.getvalue())
     except OSError as error:
         raise UserError(f"--out {path}: cannot write ({error.strerror or error})") from None
 
@@ -125,17 +131,29 @@ def summary(results: Sequence[tuple[int, float, grad_guard.GuardDecision]], conf
     return line
 
 
+def print_fork_switch(nan_inf_until_step: int, row: int, guard_line: str) -> None:
+    """The switch line for a fork log replayed by rows (the guard's own would name the row as the step)."""
+    print(f"gradient guard: --nan_inf_until_step {nan_inf_until_step} reached after row {row} of the fork's log: "
+          f"NaN/Inf norms are now kept out of the window and skipped immediately", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, argv))
+    check_fork_arguments(args)
     config = grad_guard.GuardConfig.from_args(args)
-    rows, fork_layout = read_norms(Path(args.log))
-    if fork_layout:
-        print(fork_layout_note(args.log, len(rows)))
-    events = None if fork_layout else read_run_events(Path(args.log), args.events)
-    results = grad_guard.replay_decisions(rows, config, events or ())
+    rows, fork_epochs = read_norms(Path(args.log))
+    announce = None
+    if fork_epochs is not None:
+        print(fork_layout_note(args.log, len(rows), args.gradient_accumulation_steps, args.initial_step))
+        replayed = fork_replay_config(config, fork_epochs, args.gradient_accumulation_steps, args.initial_step)
+        if replayed.nan_inf_until_step != config.nan_inf_until_step:  # the guard would name the row, not the step
+            announce = functools.partial(print_fork_switch, config.nan_inf_until_step, replayed.nan_inf_until_step)
+        config = replayed
+    events = None if fork_epochs is not None else read_run_events(Path(args.log), args.events)
+    results = grad_guard.replay_decisions(rows, config, events or (), announce or grad_guard.print_to_stderr)
     write_replay(Path(args.out), results, events)
     print(summary(results, config, events))
 

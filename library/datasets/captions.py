@@ -68,7 +68,9 @@ def read_caption_file(image_path: str, caption_extension: str, enable_wildcard: 
         if not os.path.isfile(caption_path):
             continue
         try:
-            with open(caption_path, encoding="utf-8") as file:
+            # utf-8-sig: Windows Notepad saves UTF-8 with a byte-order mark, which would otherwise
+            # reach the tokenizer glued to the first word (usually the trigger word)
+            with open(caption_path, encoding="utf-8-sig") as file:
                 lines = file.readlines()
         except UnicodeDecodeError:
             raise UserError(f"caption file {caption_path} is not UTF-8 text; save it as UTF-8") from None

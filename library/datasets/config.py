@@ -23,6 +23,13 @@ from library.datasets.images import INTERPOLATIONS
 from library.errors import UserError
 
 
+# The largest image side a run trains or samples. The VAE's full-resolution layers hold 128 channels
+# x H x W per activation: 17 GB in fp16 at 8192 x 8192, 69 GB at 16384 x 16384 (one layer's input
+# and output would not fit in a 141 GB GPU), before the UNet and the gradients.
+MAX_SIDE_PX = 8192
+TOO_LARGE_FOR_ANY_GPU = "larger images do not fit in a GPU's memory; SDXL trains at 1024"
+
+
 # -- value validators (each raises Invalid with the phrase that completes "must be ...") ----------
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
@@ -199,7 +206,7 @@ def load_user_config(path: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"--dataset_config {path}: file not found")
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:  # with or without Notepad's byte-order mark
             if path.lower().endswith(".json"):
                 return json.load(file)
             if path.lower().endswith(".toml"):
@@ -290,7 +297,7 @@ def argparse_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_resolution_wh(text: Any, flag: str) -> tuple[int, int]:
-    """'512', '512,768', 512 or (w, h) -> (width, height), each a multiple of 8 and at least 64."""
+    """'512', '512,768', 512 or (w, h) -> (width, height), each a multiple of 8 from 64 to ``MAX_SIDE_PX``."""
     if isinstance(text, (tuple, list)):
         sizes = list(text)
     else:
@@ -302,6 +309,8 @@ def parse_resolution_wh(text: Any, flag: str) -> tuple[int, int]:
         sizes = sizes * 2
     if len(sizes) != 2 or min(sizes) < 64 or any(size % 8 for size in sizes):
         raise UserError(f"{flag} {text}: sizes must be multiples of 8 and at least 64 ('size' or 'width,height')")
+    if max(sizes) > MAX_SIDE_PX:
+        raise UserError(f"{flag} {text}: at most {MAX_SIDE_PX} px per side ({TOO_LARGE_FOR_ANY_GPU})")
     return (int(sizes[0]), int(sizes[1]))
 
 

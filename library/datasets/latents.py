@@ -19,6 +19,7 @@ it is rebuilt, never used. When one image is used at several buckets in one run
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from library import noise
+from library import atomic_files, noise
 from library.datasets.buckets import center_crop_top_left
 from library.datasets.images import ensure_size, load_image, resize_crop_flip
 from library.datasets.plan import PlannedImage, variants_by_path
@@ -196,10 +197,9 @@ def _write_entry(path: str, suffix: str, image: PlannedImage, meta: dict, entry:
     if entry.alpha_mask is not None:
         arrays["alpha_mask" + suffix] = entry.alpha_mask.numpy()
     arrays["cache_meta" + suffix] = np.array(json.dumps({**meta, "flip": entry.mean_flipped is not None}))
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as file:
-        np.savez(file, **arrays)
-    os.replace(temporary, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_files.write_file(path, buffer.getvalue())
 
 
 _ENTRY_KEYS = ("latents", "latents_std", "latents_flipped", "latents_flipped_std", "alpha_mask", "original_size",

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from library import atomic_files
 from library.datasets.captions import read_caption_file
 from library.datasets.config import SubsetSpec
 from library.datasets.images import IMAGE_EXTENSIONS, is_image_file
@@ -124,8 +125,7 @@ def write_info_cache(subset: SubsetSpec, records: list[ImageRecord]) -> None:
     """kohya's ``cache_info``: captions and sizes of a folder in ``metadata_cache.json``."""
     info = {record.path: {"caption": record.caption, "resolution": list(record.size_wh)} for record in records}
     path = os.path.join(subset.image_dir, INFO_CACHE_FILE)
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(info, file, ensure_ascii=False, indent=2)
+    atomic_files.write_file(path, json.dumps(info, ensure_ascii=False, indent=2))
     print(f"cached image info of {subset.image_dir} in {path}")
 
 
@@ -135,7 +135,7 @@ def _finetuning_images(subset: SubsetSpec, subset_index: int) -> list[ImageRecor
     if not os.path.isfile(path):
         raise UserError(f"{subset.where}: metadata_file {path} not found")
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:
             if path.endswith(".jsonl"):
                 metadata = {}
                 for line in file:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 from typing import Callable, Optional
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from library import atomic_files
 from library.datasets.captions import process_caption
 from library.datasets.config import SubsetSpec
 from library.datasets.plan import PlannedImage
@@ -154,11 +156,10 @@ def cache_text_encoder_outputs(
             store.by_caption[caption] = (torch.cat(parts[:2], dim=-1), parts[2])
             path = disk_path_of[caption]
             if path is not None:
-                temporary = f"{path}.{os.getpid()}.tmp"
-                with open(temporary, "wb") as file:
-                    np.savez(file, hidden_state1=parts[0].numpy(), hidden_state2=parts[1].numpy(),
-                             pool2=parts[2].numpy(), cache_meta=np.array(json.dumps(meta_of[caption])))
-                os.replace(temporary, path)
+                buffer = io.BytesIO()
+                np.savez(buffer, hidden_state1=parts[0].numpy(), hidden_state2=parts[1].numpy(),
+                         pool2=parts[2].numpy(), cache_meta=np.array(json.dumps(meta_of[caption])))
+                atomic_files.write_file(path, buffer.getvalue())
     print(f"cached text encoder outputs: {len(pending)} captions encoded, "
           f"{len(disk_path_of) - len(pending)} read from disk")
     return store

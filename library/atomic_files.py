@@ -1,0 +1,214 @@
+"""Files and folders written so that a crash, ``kill -9`` or a power loss leaves the old version or
+the new one, never a mix, and a full disk costs one line.
+
+Every file the project writes in place of an earlier one goes through here. The data goes to a
+temporary name beside the target (``.<name>.tmp<pid>``, see :func:`temporary_path`), is flushed
+and fsynced, renamed over the target, and then the folder is fsynced, so the rename itself is on
+disk when the call returns (a rename alone may still be lost at a power cut). On any error the
+temporary is removed and the target is untouched. No space left (ENOSPC, or EDQUOT for a quota)
+raises :class:`DiskFull` naming the path and the bytes the write needed.
+
+Appends (the logs' rows) go through :func:`append_to_file` (fsynced) or :func:`append_to_open_file`;
+a full disk is reported the same way.
+
+Test hook: :func:`simulate_full_disk` makes every write of this module fail with ENOSPC once a
+byte budget is spent, part-way through the write that exhausts it, as a full disk does
+(``--debug_disk_full_after_bytes``, ``library.fault_injection``).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional
+
+from library.errors import DiskFull
+
+TEMPORARY_MARK = ".tmp"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Bytes the simulated disk still takes (None: the real disk decides).
+_simulated_space_left: Optional[int] = None
+
+
+def simulate_full_disk(after_bytes: Optional[int]) -> None:
+    """Make the disk look full to this module once ``after_bytes`` more bytes were written (None: off)."""
+    global _simulated_space_left
+    _simulated_space_left = after_bytes
+
+
+def temporary_path(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: a hidden name in the same folder."""
+    return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
+
+
+def is_temporary(name: str, target_prefix: str = "") -> bool:
+    """Whether ``name`` is a temporary of :func:`temporary_path` for a target whose name starts with
+    ``target_prefix`` (left behind only by a process killed mid-write)."""
+    return name.startswith(f".{target_prefix}") and TEMPORARY_MARK in name
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable. Windows cannot open a folder for
+    fsync; NTFS journals renames itself."""
+    if os.name == "nt":
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_file(path: str | os.PathLike, data: bytes | str) -> None:
+    """Replace ``path`` by ``data`` (text is written as UTF-8, newlines as given) atomically and durably;
+    creates the folder. ``DiskFull`` when the disk has no room: ``path`` is then as it was."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    with no_space_is_disk_full(path, len(payload)), _removed_on_error(temporary):
+        with open(temporary, "wb", buffering=0) as file:
+            _write_durably(file, payload)
+        os.replace(temporary, path)
+        fsync_folder(path.parent)
+
+
+@contextlib.contextmanager
+def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
+    """For writers that take a file name (e.g. safetensors' ``save_file`` of a large checkpoint): yields
+    the temporary to write; when the block ends it is fsynced and renamed over ``path`` (removed on an
+    error). ``needed_bytes`` is what the message says the file needs when the disk is full."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    with no_space_is_disk_full(path, needed_bytes), _removed_on_error(temporary):
+        yield temporary
+        _spend(temporary.stat().st_size)
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        fsync_folder(path.parent)
+
+
+def write_folder(path: str | os.PathLike, files: Mapping[str, bytes],
+                 before_rename: Optional[Callable[[Path], None]] = None) -> None:
+    """Replace the folder ``path`` by one holding ``files`` (name -> bytes), atomically and durably.
+
+    The files are written and fsynced in a temporary folder, which is fsynced and renamed into place;
+    an existing folder of that name is moved aside first and removed once the new one is in place.
+    ``before_rename(temporary)`` runs when the temporary folder is complete (kill tests die there).
+    ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    with no_space_is_disk_full(path, sum(len(data) for data in files.values())), \
+            _removed_on_error(temporary):
+        if temporary.exists():
+            shutil.rmtree(temporary)
+        temporary.mkdir()
+        for name, data in files.items():
+            with open(temporary / name, "wb", buffering=0) as file:
+                _write_durably(file, data)
+        fsync_folder(temporary)
+        if before_rename is not None:
+            before_rename(temporary)
+        if path.exists():  # e.g. the same save point written again after a resume
+            stale = path.with_name(f".{path.name}.old{os.getpid()}")
+            os.replace(path, stale)
+            try:
+                os.replace(temporary, path)
+            except OSError:
+                os.replace(stale, path)
+                raise
+            shutil.rmtree(stale)
+        else:
+            os.replace(temporary, path)
+        fsync_folder(path.parent)
+
+
+def append_to_file(path: str | os.PathLike, data: bytes | str) -> None:
+    """Append ``data`` to ``path`` (created with its folder when missing), fsynced.
+    ``DiskFull`` when the disk has no room (part of ``data`` may then be on disk, as after a crash)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab", buffering=0) as file:
+        append_to_open_file(file, data)
+        os.fsync(file.fileno())
+
+
+def append_to_open_file(file: io.RawIOBase, data: bytes | str) -> None:
+    """Append ``data`` to ``file``, opened unbuffered for appending (``open(path, "ab", buffering=0)``:
+    no buffer is left that a later close would fail to write); not fsynced. ``DiskFull`` naming
+    ``file.name`` when the disk has no room."""
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    with no_space_is_disk_full(file.name, len(payload)):
+        _write_all(file, payload)
+
+
+def _write_durably(file: io.RawIOBase, data: bytes) -> None:
+    _write_all(file, data)
+    os.fsync(file.fileno())
+
+
+def _write_all(file: io.RawIOBase, data: bytes) -> None:
+    """Write all of ``data`` to an unbuffered file (a raw write may take only part of it); what the
+    (simulated) disk has no room for fails with ENOSPC after the part that fits, as a real disk does."""
+    allowed = _spend(len(data))
+    view = memoryview(data)[:allowed]
+    while view:
+        view = view[file.write(view):]
+    if allowed < len(data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
+
+
+def _spend(size: int) -> int:
+    """Bytes of a ``size``-byte write the (simulated) disk takes; the caller writes those, then fails."""
+    global _simulated_space_left
+    if _simulated_space_left is None:
+        return size
+    allowed = min(size, _simulated_space_left)
+    _simulated_space_left -= allowed
+    return allowed
+
+
+def _free_bytes(folder: Path) -> Optional[int]:
+    if _simulated_space_left is not None:
+        return _simulated_space_left
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def no_space_is_disk_full(path: str | os.PathLike, needed_bytes: int) -> Iterator[None]:
+    """Turn a full-disk ``OSError`` of the block (writing ``path``) into ``DiskFull``; also for writes
+    that stay outside this module (an open log file's lines)."""
+    path = Path(path)
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _NO_SPACE:
+            raise
+        free = _free_bytes(path.parent)
+        left = f", {free:,} free" if free is not None else ""
+        raise DiskFull(f"{path}: no space left on the disk; writing it needs {needed_bytes:,} bytes{left}. "
+                       f"Free some space or write to another disk; files already there are kept") from None
+
+
+@contextlib.contextmanager
+def _removed_on_error(temporary: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        if temporary.is_dir():
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            temporary.unlink(missing_ok=True)
+        raise
