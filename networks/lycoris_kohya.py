@@ -315,9 +315,10 @@ class LycorisNetwork(AdapterNetwork):
                 weight, bias = _merged_weight(lora, multiplier, self.wrapped_module(lora).weight)
         finally:
             lora.train(training)
-        merged = {"weight": weight.float()}
+        dtype = network_base.merge_dtype(self.wrapped_module(lora).weight.dtype)
+        merged = {"weight": weight.to(dtype)}
         if bias is not None:
-            merged["bias"] = bias.float()
+            merged["bias"] = bias.to(dtype)
         return merged
 
     # -- max-norm: lycoris' apply_max_norm ----------------------------------------------

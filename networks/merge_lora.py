@@ -38,7 +38,7 @@ from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E4
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
-from networks import registry  # noqa: E402
+from networks import network_base, registry  # noqa: E402
 from networks.lora import lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
 from networks.network_base import read_lora_metadata  # noqa: E402
 
@@ -104,6 +104,7 @@ def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequen
     changed = 0
     for path, ratio in zip(paths, ratios):
         network = registry.network_from_file(path, models.text_encoders, models.unet, unet_names, flag)
+        network.to(dtype=network_base.merge_dtype(models.unet.dtype))  # float64 for a float64 model
         changed += network.merge_into_model(ratio)
     return changed
 

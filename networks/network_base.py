@@ -16,7 +16,7 @@ wrapped module's forward through the adapter), ``restore()`` (undo it) and param
 * ``max_norm_weights() -> (up, down)``: the factors of ``delta W = up @ down * alpha / rank``
   (any shapes whose first dimensions are out and rank); absent: ``--scale_weight_norms`` is refused.
 * ``merged_parameters(multiplier) -> {"weight": W', ...}``: the wrapped module's parameters
-  with the adapter merged in (float32), for ``networks/merge_lora.py`` and ``--base_weights``.
+  with the adapter merged in (in ``merge_dtype``), for ``networks/merge_lora.py`` and ``--base_weights``.
 * ``lr_block`` / ``lr_weight`` / ``lr_override`` (attributes, default None / 1 / None): the
   module's learning rate is ``lr_override`` or its part's lr times ``lr_weight``; modules of a
   part with equal (block, weight, override) share an optimizer group (kohya's block-wise
@@ -176,6 +176,13 @@ def conv_or_linear(org_module: torch.nn.Module, weight: torch.Tensor, x: torch.T
     return torch.nn.functional.linear(x, weight)
 
 
+def merge_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a merge into weights of ``weight_dtype`` is computed in: float32, or float64 for float64
+    weights. fp16/bf16/float8 weights are merged in float32 and cast back once; a float64 model keeps
+    its precision."""
+    return torch.float64 if weight_dtype == torch.float64 else torch.float32
+
+
 def module_dropout_skips(module_dropout: Optional[float], training: bool) -> bool:
     """kohya's module dropout: during training the whole adapter is skipped with this probability."""
     return bool(module_dropout) and training and bool(torch.rand(()) < module_dropout)
@@ -216,8 +223,9 @@ class WeightDeltaModule(AdapterModule):
         return org_out + conv_or_linear(self.org_module, delta, x) * factor
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
-        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
-        return {"weight": weight + multiplier * self.delta_weight().float()}
+        dtype = merge_dtype(self.org_module.weight.dtype)
+        weight = fp8_base.frozen_weight(self.org_module, dtype)
+        return {"weight": weight + multiplier * self.delta_weight().to(dtype)}
 
 
 # --------------------------------------------------------------------------- the network
