@@ -152,7 +152,8 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     fp8_base.validate_arguments(args)
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
-    registry.validate(args.network_module, network_base.parse_network_args(args.network_args))
+    registry.validate(args.network_module, network_base.parse_network_args(args.network_args),
+                      fp8_base.float8_flag(args))
     if (args.network_train_text_encoder_only or args.unet_lr == 0) and (
             args.network_train_unet_only or (args.text_encoder_lr and all(lr == 0 for lr in args.text_encoder_lr))):
         raise UserError(NOTHING_TO_TRAIN)

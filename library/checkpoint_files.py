@@ -21,7 +21,7 @@ from library import checkpoint_keys as ck
 from library.errors import UserError, first_line
 
 if TYPE_CHECKING:
-    from library.model_loading import StableDiffusionModels
+    from library.models import StableDiffusionModels
 
 
 # safetensors dtype names -> torch dtypes read with plain file reads (others go through safe_open).

@@ -38,6 +38,7 @@ from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E4
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
+from library.models import StableDiffusionModels  # noqa: E402
 from networks import network_base, registry  # noqa: E402
 from networks.lora import lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
 from networks.network_base import read_lora_metadata  # noqa: E402
@@ -94,7 +95,7 @@ def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind
     return kind
 
 
-def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequence[str],
+def merge_into_models(models: StableDiffusionModels, paths: Sequence[str],
                       ratios: Sequence[float], flag: str = "--models") -> int:
     """Merge each network file, ratio-weighted, into the matching weights of ``models`` in place, in
     order (any type in ``networks.registry``: the type's own merged weight, e.g. ``W + ratio * delta``
@@ -109,7 +110,7 @@ def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequen
     return changed
 
 
-def merge_base_weights(models: model_loading.StableDiffusionModels, paths: Sequence[str],
+def merge_base_weights(models: StableDiffusionModels, paths: Sequence[str],
                        multipliers: Optional[Sequence[float]]) -> None:
     """``--base_weights``: merge network files into the frozen models before training (kohya's order:
     before the trained network is created). A file without a multiplier gets 1.0."""
