@@ -36,7 +36,8 @@ from library.interrupts import StopRequest
 from library.model_loading import StableDiffusionModels
 from networks import merge_lora, network_base, registry
 
-NOTHING_TO_TRAIN = "--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train"
+NOTHING_TO_TRAIN = ("--learning_rate/--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing "
+                    "would train (--learning_rate 0 needs --unet_lr or --text_encoder_lr for the parts to train)")
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -138,8 +139,9 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     if args.network_alpha is not None and not (math.isfinite(args.network_alpha) and args.network_alpha >= 0):
         raise UserError(f"--network_alpha {args.network_alpha} must be a number >= 0 (the LoRA output is scaled by "
                         f"alpha/dim; 0 means alpha = dim, as in kohya)")
-    if args.learning_rate is not None and not args.learning_rate > 0:
-        raise UserError(f"--learning_rate {args.learning_rate} must be a positive number")
+    if args.learning_rate is not None and not args.learning_rate >= 0:
+        raise UserError(f"--learning_rate {args.learning_rate} must be a number >= 0 (0: only the parts given "
+                        f"--unet_lr/--text_encoder_lr train, as in kohya)")
     # kohya: a part whose learning rate is 0 is not trained
     if args.unet_lr is not None and not args.unet_lr >= 0:
         raise UserError(f"--unet_lr {args.unet_lr} must be a positive number (0: do not train the UNet)")
@@ -154,8 +156,9 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
     registry.validate(args.network_module, network_base.parse_network_args(args.network_args),
                       fp8_base.float8_flag(args))
-    if (args.network_train_text_encoder_only or args.unet_lr == 0) and (
-            args.network_train_unet_only or (args.text_encoder_lr and all(lr == 0 for lr in args.text_encoder_lr))):
+    unet_lr, text_encoder_lrs = optimizers.part_learning_rates(args)
+    if (args.network_train_text_encoder_only or unet_lr == 0) and (
+            args.network_train_unet_only or all(lr == 0 for lr in text_encoder_lrs)):
         raise UserError(NOTHING_TO_TRAIN)
     if len(args.base_weights_multiplier or []) > len(args.base_weights or []):
         raise UserError(f"--base_weights_multiplier has {len(args.base_weights_multiplier)} values for "

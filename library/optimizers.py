@@ -126,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '(e.g. "weight_decay=0.01 betas=0.9,0.999"). Default: none.',
     )
     parser.add_argument(
-        "--learning_rate", type=_positive_float, default=DEFAULT_LEARNING_RATE,
-        help=f"learning rate (> 0) for parameter groups without their own. Default: {DEFAULT_LEARNING_RATE:g}.",
+        "--learning_rate", type=_non_negative_float, default=DEFAULT_LEARNING_RATE,
+        help="learning rate (>= 0) of the parts without their own --unet_lr/--text_encoder_lr; 0: those parts are "
+        f"not trained (kohya). Default: {DEFAULT_LEARNING_RATE:g}.",
     )
     parser.add_argument(
         "--max_grad_norm", type=_non_negative_float, default=1.0,
@@ -393,6 +394,13 @@ def _check_sequence_arguments(optimizer_class: type, kwargs: dict[str, Any]) -> 
             shown = ",".join(str(item) for item in value) if isinstance(value, (tuple, list)) else value
             raise UserError(f"--optimizer_args {key}={shown}: {optimizer_class.__name__} takes {len(default)} "
                             f"comma-separated values for {key}, e.g. {key}={','.join(str(item) for item in default)}")
+
+
+def part_learning_rates(args: argparse.Namespace) -> tuple[float, list[float]]:
+    """(UNet, [text encoder ...]) learning rates: ``--unet_lr``/``--text_encoder_lr`` (one value for
+    every encoder, or one per encoder), else ``--learning_rate``. A part at 0 is not trained (kohya)."""
+    unet_lr = args.unet_lr if getattr(args, "unet_lr", None) is not None else args.learning_rate
+    return unet_lr, list(getattr(args, "text_encoder_lr", None) or [args.learning_rate])
 
 
 def _learning_rates(args: argparse.Namespace) -> dict[str, float]:
@@ -686,9 +694,10 @@ def _refuse_warmup(args: argparse.Namespace, what: str) -> None:
 
 def _check_learning_rate(learning_rate: Any) -> float:
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
-        math.isfinite(learning_rate) and learning_rate > 0
+        math.isfinite(learning_rate) and learning_rate >= 0
     ):
-        raise UserError(f"--learning_rate {learning_rate}: give a positive number (e.g. 1e-4)")
+        raise UserError(f"--learning_rate {learning_rate}: give a number >= 0 (e.g. 1e-4; 0 with --unet_lr/"
+                        f"--text_encoder_lr trains only the parts given there)")
     return float(learning_rate)
 
 
@@ -706,13 +715,6 @@ def _warn_about_adaptive_lr(learning_rate: float, groups: list[Any]) -> None:
 
 
 # argparse types: they raise ArgumentTypeError, which argparse and --config_file report with the flag
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:

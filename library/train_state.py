@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from library import optimizers
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -146,9 +147,10 @@ class Progress:
 
 
 def untrained_parts(args: argparse.Namespace) -> list[str]:
-    """The LoRA parts ``--unet_lr 0`` / ``--text_encoder_lr ... 0 ...`` leave untrained (kohya's rule)."""
-    parts = ["unet"] if args.unet_lr == 0 else []
-    rates = args.text_encoder_lr or []
+    """The LoRA parts whose learning rate is 0 (``--unet_lr``/``--text_encoder_lr``, else ``--learning_rate``):
+    kohya leaves them untrained."""
+    unet_lr, rates = optimizers.part_learning_rates(args)
+    parts = ["unet"] if unet_lr == 0 else []
     if len(rates) == 1:  # one value for every text encoder
         return parts + (["text_encoders"] if rates[0] == 0 else [])
     return parts + [f"text_encoder{index + 1}" for index, lr in enumerate(rates) if lr == 0]

@@ -182,7 +182,7 @@ def test_invalid_toml_and_missing_file(tmp_path):
 
 def test_command_line_errors_still_exit_through_argparse(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
-        config_file.parse_args(make_parser(), ["--learning_rate", "0"])
+        config_file.parse_args(make_parser(), ["--learning_rate", "-1"])
     assert caught.value.code == 2
     assert "--learning_rate" in capsys.readouterr().err
 

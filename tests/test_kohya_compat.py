@@ -284,8 +284,9 @@ def test_loraplus_multiplies_the_lora_up_learning_rate(tiny_models, demo_dataset
 
 def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_dataset, tmp_path, capsys):
     output_dir = tmp_path / "out"
-    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--text_encoder_lr", "0",
-                    "--learning_rate", "1e-2")
+    # kohya's --learning_rate 0: only the parts given their own rate train (here the UNet)
+    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--unet_lr", "1e-2",
+                    "--learning_rate", "0")
     argv.remove("--network_train_unet_only")
     run_trainer("sdxl_train_network", argv)
     weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
@@ -295,13 +296,12 @@ def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_datas
     assert any(value.abs().max() > 0 for value in unet_ups)
     # the optimizer's groups depend on the untrained parts: a resume must keep them
     run_trainer("sdxl_train_network", argv + ["--save_state_on_train_end"])
-    changed = argv + ["--resume", "auto"]
-    changed[changed.index("--text_encoder_lr") + 1] = "1e-4"
-    error = train_expecting_user_error(changed, capsys)
+    error = train_expecting_user_error(argv + ["--resume", "auto", "--text_encoder_lr", "1e-4"], capsys)
     assert "untrained_parts=['text_encoders']" in error
-    error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", "--unet_lr", "0"), capsys)
-    assert "nothing would train" in error
+    for zero in (["--unet_lr", "0"], ["--learning_rate", "0"]):
+        error = train_expecting_user_error(args_for(
+            tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", *zero), capsys)
+        assert "nothing would train" in error
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=sinus"), capsys)
     assert "--network_args down_lr_weight=sinus: give comma-separated numbers or one of cosine" in error
