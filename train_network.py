@@ -442,7 +442,7 @@ class NetworkTrainer:
                     if decision.skip:
                         optimizer.zero_grad(set_to_none=True)
                     else:
-                        self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+                        self.optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params, loss_value)
                         if args.scale_weight_norms:
                             max_norm_logs = max_norm_scalars(network.apply_max_norm_regularization(args.scale_weight_norms))
                     progress_state.global_step = step
@@ -698,8 +698,9 @@ class NetworkTrainer:
             result = self.compute_loss(run, batch, epoch, plan, timesteps=timesteps, seed=seed)
         return losses.normalize(result.loss_sum, result.weight_sum), result.weight_sum
 
-    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
-        """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped."""
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params, loss: float) -> None:
+        """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped (it sees the
+        step's ``loss``: reduce_lr_on_plateau)."""
         if scaler is not None:
             scaler.unscale_(optimizer)
         if args.max_grad_norm:
@@ -711,7 +712,7 @@ class NetworkTrainer:
             optimizer.step()
             stepped = True
         if stepped:
-            lr_scheduler.step()
+            optimizers.step_schedule(lr_scheduler, loss)
         optimizer.zero_grad(set_to_none=True)
 
 
