@@ -31,18 +31,20 @@ keep the ``text_model.`` level that transformers 5 dropped.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from library import fp8_base
-from library.errors import UserError
+from library import checkpoint_files, fp8_base
+from library.errors import UserError, first_line
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
 UNET_CONV_TARGET_MODULES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -502,9 +504,18 @@ class AdapterNetwork(torch.nn.Module):
 
 # --------------------------------------------------------------------------- files
 def read_lora_file(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a network safetensors file; a missing or corrupt file is a UserError."""
+    """All tensors of a network file (safetensors, or a ``.ckpt``/``.pt`` state dict as kohya's
+    ``--save_model_as`` writes them); a missing or corrupt file is a UserError."""
     if not os.path.isfile(path):
         raise UserError(f"LoRA file {path} does not exist")
+    if not checkpoint_files.is_safetensors(path):
+        try:
+            weights = checkpoint_files.load_pickled_state_dict(Path(path))
+        except Exception as error:  # torch.load raises several types for damaged files
+            raise UserError(f"LoRA file {path} is not a readable torch state dict ({first_line(error)})") from None
+        if not all(isinstance(value, torch.Tensor) for value in weights.values()):
+            raise UserError(f"LoRA file {path} holds other objects than tensors; not a LoRA state dict")
+        return dict(weights)
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             return {key: file.get_tensor(key) for key in file.keys()}
@@ -513,7 +524,9 @@ def read_lora_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_lora_metadata(path: str) -> dict[str, str]:
-    """The metadata map of a network safetensors file (empty when it has none)."""
+    """The metadata map of a network safetensors file (empty when it has none, and for ``.ckpt``/``.pt``)."""
+    if not checkpoint_files.is_safetensors(path):
+        return {}
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             return dict(file.metadata() or {})
@@ -545,7 +558,9 @@ def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Map
 
 
 def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
-    """Write a network safetensors file atomically (temp name in the same folder, then rename).
+    """Write a network file atomically (temp name in the same folder, then rename): safetensors, or for a
+    ``.ckpt``/``.pt`` path (kohya's ``--save_model_as``) ``torch.save`` of the state dict without the
+    metadata, as kohya writes them.
 
     Refuses non-finite weights so that a diverged run never replaces a good file.
     """
@@ -556,8 +571,14 @@ def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mappi
     os.makedirs(directory, exist_ok=True)
     temp_path = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
+        if checkpoint_files.is_safetensors(path):
+            data = canonical_safetensors_bytes(state, metadata)
+        else:
+            buffer = io.BytesIO()
+            torch.save(dict(state), buffer)
+            data = buffer.getvalue()
         with open(temp_path, "wb") as file:
-            file.write(canonical_safetensors_bytes(state, metadata))
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp_path, path)

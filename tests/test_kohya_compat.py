@@ -97,6 +97,26 @@ def test_unsupported_option_is_refused_by_name(dest, tiny_models, demo_dataset, 
     assert not output_dir.exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("suffix", ["ckpt", "pt"])
+def test_save_model_as_ckpt_and_pt_write_kohyas_torch_files(suffix, tiny_models, demo_dataset, tmp_path):
+    """kohya writes torch.save(state_dict) without metadata for these, and reads them back with torch.load."""
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "3", "--save_model_as", suffix,
+        "--save_every_n_steps", "1", "--save_last_n_steps", "1"))
+    # kohya's rotation (saving step 3 removes step 1) with these names
+    assert sorted(path.name for path in output_dir.glob("last*")) == [
+        f"last-step00000002.{suffix}", f"last-step00000003.{suffix}", f"last.{suffix}"]
+    weights = torch.load(output_dir / f"last.{suffix}", weights_only=True)
+    assert isinstance(weights, dict) and all(key.startswith("lora_unet_") for key in weights)
+    assert weights.keys() == lora.read_lora_file(str(output_dir / f"last.{suffix}")).keys()
+    # continues from it like from a safetensors file
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, tmp_path / "again", "--max_train_steps", "1",
+        "--network_weights", str(output_dir / f"last.{suffix}")))
+    assert (tmp_path / "again" / "last.safetensors").is_file()
+
+
 def test_gui_toml_with_default_values_of_unsupported_options_is_accepted(tmp_path):
     import train_network
 
