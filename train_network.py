@@ -169,7 +169,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         raise UserError(f"--scale_weight_norms {args.scale_weight_norms} must be a positive number (0 = off)")
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
-    compatibility.refuse_unsupported(args)
+    compatibility.check_arguments(args, sdxl)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
     if os.path.dirname(args.output_name):
@@ -683,7 +683,8 @@ class NetworkTrainer:
         if timesteps is not None:
             drawn = replace(drawn, timesteps=timesteps.to(device))
         noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
-        prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
+        with compatibility.offloaded_activations(args, device):
+            prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
         target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                          args.v_parameterization)
         return losses.batch_loss(prediction, target, plan, run.loss_options)

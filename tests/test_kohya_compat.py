@@ -124,8 +124,43 @@ def test_gui_toml_with_default_values_of_unsupported_options_is_accepted(tmp_pat
     config.write_text('deepspeed = false\nfp8_base = false\nhuggingface_repo_id = ""\ntoken_warmup_step = 0\n'
                       'torch_compile = false\nxformers = true\ncaption_extention = ".txt"\n')
     args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
-    compatibility.refuse_unsupported(args)  # nothing asked for is unsupported
-    assert args.xformers is True
+    lines = []
+    compatibility.check_arguments(args, sdxl=True, announce=lines.append)  # nothing asked for is unsupported
+    assert args.xformers is True and lines == []
+
+
+def test_clip_skip_on_sdxl_is_ignored_with_kohyas_warning():
+    import train_network
+
+    for argv, sdxl, expected in ((["--clip_skip", "2"], True, ["--clip_skip 2: SDXL uses fixed text encoder layers, "
+                                                               "it has no effect (kohya ignores it too, with a "
+                                                               "warning)"]),
+                                 (["--clip_skip", "1"], True, []),  # the GUI's default: no skip, nothing to say
+                                 (["--clip_skip", "2"], False, [])):
+        args = train_network.setup_parser().parse_args(argv)
+        lines = []
+        compatibility.check_arguments(args, sdxl=sdxl, announce=lines.append)
+        assert lines == expected
+
+
+def test_cpu_offload_checkpointing_trains_the_same(tiny_models, demo_dataset, tmp_path, capsys):
+    """The offload hooks are real on CPU too (every tensor saved for backward goes through them), and change
+    no bit of the result; on CUDA the same hooks keep those tensors in pinned host memory."""
+    files = {}
+    for name, extra in (("plain", []), ("offload", ["--cpu_offload_checkpointing"])):
+        run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / name, "--max_train_steps", "2",
+                                                   "--gradient_checkpointing", "--learning_rate", "1e-2", *extra))
+        files[name] = lora.read_lora_file(str(tmp_path / name / "last.safetensors"))
+    assert all(torch.equal(files["plain"][key], files["offload"][key]) for key in files["plain"])
+    assert "--cpu_offload_checkpointing: training on the CPU" in capsys.readouterr().out
+    import train_network
+
+    args = train_network.setup_parser().parse_args(["--cpu_offload_checkpointing", "--gradient_checkpointing"])
+    assert isinstance(compatibility.offloaded_activations(args, torch.device("cuda")),
+                      torch.autograd.graph.save_on_cpu)
+    args.gradient_checkpointing = False  # kohya ignores it without checkpointing
+    assert not isinstance(compatibility.offloaded_activations(args, torch.device("cuda")),
+                          torch.autograd.graph.save_on_cpu)
 
 
 def test_save_n_epoch_ratio_sets_the_epoch_interval(tiny_models, demo_dataset, tmp_path):
