@@ -113,16 +113,27 @@ def convert_network(network: network_base.AdapterNetwork, dim: int, conv_dim: Op
 @torch.no_grad()
 def parameter_changes(network: network_base.AdapterNetwork, lora: torch.nn.Module, layer: torch.nn.Module
                       ) -> dict[str, torch.Tensor]:
-    """What merging ``lora`` at multiplier 1 changes in ``layer``'s parameters, in float64: the layer is merged
-    in float64 for this (``network_base.merge_dtype``), so a change far smaller than the weight keeps its
-    digits, and is then cast back (exactly) to its dtype."""
-    dtype = layer.weight.dtype
-    layer.to(torch.float64)
+    """What merging ``lora`` at multiplier 1 changes in ``layer``'s parameters, in float64.
+
+    The layer and the module are merged in float64 (``network_base.merge_dtype``), so a change far smaller
+    than the weight keeps its digits, and are cast back (exactly) to their dtypes afterwards. Code that
+    computes in float32 only (LyCORIS' OFT and BOFT rotations) fails on float64 tensors: such a module is
+    merged in its own dtype instead.
+    """
+    dtypes = (layer.weight.dtype, next((p.dtype for p in lora.parameters()), layer.weight.dtype))
+    base = {name: value.detach().double() for name, value in layer.named_parameters(recurse=False)}
     try:
+        layer.to(torch.float64)
+        lora.to(torch.float64)
         merged = network.merged_parameters(lora, 1.0)
-        return {key: value.double() - getattr(layer, key) for key, value in merged.items()}
+    except RuntimeError:  # float32-only code: "expected ... same dtype"
+        layer.to(dtypes[0])
+        lora.to(dtypes[1])
+        merged = network.merged_parameters(lora, 1.0)
     finally:
-        layer.to(dtype)
+        layer.to(dtypes[0])
+        lora.to(dtypes[1])
+    return {key: value.double() - base[key] for key, value in merged.items()}
 
 
 def load_network(models: StableDiffusionModels, path: str) -> network_base.AdapterNetwork:

@@ -388,17 +388,6 @@ def test_metadata_names_and_hashes_the_base_model(tiny_models, demo_dataset, tmp
     assert "ss_vae_name" not in metadata  # no --vae
 
 
-def test_resuming_a_kohya_state_folder_says_how_to_continue(tiny_models, demo_dataset, tmp_path, capsys):
-    kohya_state = tmp_path / "out" / "last-step00000040-state"  # kohya's name and files for its states
-    kohya_state.mkdir(parents=True)
-    (kohya_state / "train_state.json").write_text('{"current_epoch": 2, "current_step": 40}')
-    (kohya_state / "model.safetensors").write_bytes(b"")
-    error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "50", "--resume", str(kohya_state)), capsys)
-    assert "a kohya-ss (accelerate) state folder" in error
-    assert error.endswith(f"--network_weights {kohya_state / 'model.safetensors'} --initial_step 40")
-
-
 def test_base_weights_invalidate_a_text_encoder_cache_on_disk(tiny_models, demo_dataset, tmp_path, capsys):
     import shutil
 
