@@ -115,14 +115,22 @@ def optimizer_state_in_our_order(optimizer: torch.optim.Optimizer, network: torc
             values = kohya_state["state"].get(kohya_index)
             if values is None:
                 continue
-            for name, value in values.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != parameter.shape:
-                    raise ValueError(f"{name} of parameter {kohya_index} has shape {tuple(value.shape)}, the "
-                                     f"parameter in kohya's order is {tuple(parameter.shape)}")
-            state[our_index[id(parameter)]] = values
+            state[our_index[id(parameter)]] = {name: _shaped(value, parameter, f"{name} of parameter {kohya_index}")
+                                               for name, value in values.items()}
     param_groups = [{**kohya_group, "params": saved["params"]}
                     for kohya_group, saved in zip(kohya_groups, ours["param_groups"])]
     return {"state": state, "param_groups": param_groups}
+
+
+def _shaped(value: Any, parameter: torch.nn.Parameter, what: str) -> Any:
+    """A per-parameter state tensor in the parameter's shape: kohya's DyLoRA keeps its conv slices flat
+    ((1, in) for our (1, in, 1, 1)), the same values in the same order. ValueError when it cannot be."""
+    if not torch.is_tensor(value) or value.dim() == 0 or value.shape == parameter.shape:
+        return value
+    if value.numel() != parameter.numel():
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the parameter in kohya's order is "
+                         f"{tuple(parameter.shape)}")
+    return value.reshape(parameter.shape)
 
 
 def restore(path: Path, network: torch.nn.Module, components: dict[str, Any], device: torch.device) -> None:
