@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from library import checkpoint_keys, model_loading  # noqa: E402
+from library import checkpoint_keys  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
@@ -174,36 +174,21 @@ def setup_parser() -> argparse.ArgumentParser:
                              "||delta - LoRA delta|| / ||delta|| is at most this, e.g. 0.01. Default: the fixed rank")
     parser.add_argument("--save_precision", default=None, choices=[None, "float", "fp16", "bf16"],
                         help="dtype of the saved weights. Default: float")
-    parser.add_argument("--v2", action="store_true", help="a diffusers-folder --sd_model is SD 2.x")
-    parser.add_argument("--sdxl", action="store_true", help="a diffusers-folder --sd_model is SDXL")
-    parser.add_argument("--model_config_dir", default=None,
-                        help="architecture configs of a single-file --sd_model. Default: the shipped config of the "
-                             "detected kind")
-    parser.add_argument("--tokenizer_cache_dir", default=None,
-                        help="kohya tokenizer cache (loading a model needs its tokenizers). Default: none")
+    merge_lora.add_base_model_arguments(parser)
     return parser
 
 
 def validate(args: argparse.Namespace) -> None:
-    for flag in ("dim", "conv_dim"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag} must be a rank >= 1 (got {value})")
+    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim")
     if args.max_error is not None and not 0 <= args.max_error < 1:
         raise UserError(f"--max_error {args.max_error}: give a relative error in [0, 1), e.g. 0.01")
-    if not args.save_to.endswith(".safetensors"):
-        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = setup_parser().parse_args(argv)
     validate(args)
     source = network_base.read_lora_metadata(args.model) if Path(args.model).is_file() else {}
-    sd_model = Path(args.sd_model)
-    kind = merge_lora.detect_kind(sd_model, args)
-    models = model_loading.load_models(sd_model, sdxl=kind == "sdxl", v2=kind == "sd2",
-                                       model_config_dir=args.model_config_dir,
-                                       tokenizer_cache_dir=args.tokenizer_cache_dir)
+    models = merge_lora.load_base_model(args)
     network = load_network(models, args.model)
 
     def report(result: ConvertedModule) -> None:
@@ -222,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     weights = {key: value.to(dtype) for key, value in conversion.weights.items()}
     network_base.save_lora_file(weights, args.save_to, output_metadata(source, conversion, args.model, args))
     worst = max(conversion.modules, key=lambda module: module.relative_error)
-    print(f"saved {args.save_to}: {len(conversion.modules)} LoRA modules ({kind}), ranks "
+    print(f"saved {args.save_to}: {len(conversion.modules)} LoRA modules ({models.kind}), ranks "
           f"{json.dumps(sorted({module.rank for module in conversion.modules}))}, overall relative error "
           f"{conversion.overall_error:.3g}, largest {worst.relative_error:.3g} ({worst.name})")
 

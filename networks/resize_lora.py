@@ -157,11 +157,18 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(args: argparse.Namespace) -> None:
-    for flag in ("new_rank", "new_conv_rank"):
+def validate_ranks_and_output(args: argparse.Namespace, *rank_flags: str) -> None:
+    """The rank options (dests) are >= 1 when given, and ``--save_to`` names a .safetensors file."""
+    for flag in rank_flags:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag} must be a rank >= 1 (got {value})")
+    if not args.save_to.endswith(".safetensors"):
+        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
+
+
+def validate(args: argparse.Namespace) -> None:
+    validate_ranks_and_output(args, "new_rank", "new_conv_rank")
     if args.dynamic_method is not None:
         param = args.dynamic_param
         if param is None:
@@ -172,8 +179,6 @@ def validate(args: argparse.Namespace) -> None:
             raise UserError(f"--dynamic_param {param}: {args.dynamic_method} needs a fraction in (0, 1] (e.g. 0.9)")
     elif args.dynamic_param is not None:
         raise UserError("--dynamic_param has no effect without --dynamic_method")
-    if not args.save_to.endswith(".safetensors"):
-        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
