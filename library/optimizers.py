@@ -137,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="clip the L2 norm of the gradients to this value; 0 disables clipping. Default: 1.0.",
     )
     parser.add_argument(
-        "--lr_scheduler", type=str, default="constant", metavar="NAME",
+        "--lr_scheduler", type=_scheduler_name_text, default="constant", metavar="NAME",
         help=f"learning-rate schedule: {', '.join(LR_SCHEDULERS)} (also adafactor:<initial lr>, kohya's spelling); "
         "reduce_lr_on_plateau lowers the rate when the training loss stops falling (torch's ReduceLROnPlateau, "
         "its arguments from --lr_scheduler_args, e.g. patience=200 factor=0.5; patience counts optimizer steps). "
@@ -765,6 +765,15 @@ def _warn_about_adaptive_lr(learning_rate: float, groups: list[Any]) -> None:
 
 
 # argparse types: they raise ArgumentTypeError, which argparse and --config_file report with the flag
+
+
+def _scheduler_name_text(text: str) -> str:
+    """``--lr_scheduler`` checked by :func:`scheduler_name` (so a config file's value is checked as a flag's)."""
+    try:
+        scheduler_name(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--lr_scheduler ")) from None
+    return text
 
 
 def _non_negative_float(text: str) -> float:

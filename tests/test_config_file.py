@@ -152,7 +152,7 @@ grad_guard = false
     "line, key, hint",
     [
         ('learning_rate = "fast"', "learning_rate", "not a number"),
-        ("learning_rate = -1e-4", "learning_rate", "positive"),
+        ("learning_rate = -1e-4", "learning_rate", ">= 0"),
         ("network_dim = 1.5", "network_dim", "int"),
         ("max_token_length = 100", "max_token_length", "150"),
         ('lr_scheduler = "Cosine"', "lr_scheduler", "cosine_with_restarts"),

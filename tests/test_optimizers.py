@@ -461,16 +461,19 @@ def test_warmup_mistakes_are_user_errors():
         optimizers.build_lr_scheduler(too_long, optimizer, 100)
 
 
-def test_unknown_scheduler_names():
-    for name in ("cosine_annealing", "greedy"):  # greedy: transformers 5 has it, kohya's pin (4.54) does not
-        args = make_args("--lr_scheduler", name)
-        with pytest.raises(UserError, match=f"--lr_scheduler '{name}' is unknown; valid: linear, cosine"):
-            optimizers.validate_args(args)
-        optimizer = optimizers.build_optimizer(args, params())[2]
-        with pytest.raises(UserError, match=f"--lr_scheduler '{name}' is unknown"):
-            optimizers.build_lr_scheduler(args, optimizer, 10)
-    with pytest.raises(UserError, match="after 'adafactor:' is not a number"):
-        optimizers.validate_args(make_args("--optimizer_type", "Adafactor", "--lr_scheduler", "adafactor:fast"))
+def test_unknown_scheduler_names(capsys):
+    for name in ("cosine_annealing", "greedy", "adafactor:fast"):  # greedy: transformers 5 has it, kohya's 4.54 not
+        with pytest.raises(SystemExit):
+            make_args("--lr_scheduler", name)
+        error = capsys.readouterr().err
+        assert "argument --lr_scheduler: " in error and name in error
+    args = make_args()
+    args.lr_scheduler = "cosine_annealing"  # e.g. set by a caller, not parsed
+    with pytest.raises(UserError, match="--lr_scheduler 'cosine_annealing' is unknown; valid: linear, cosine"):
+        optimizers.validate_args(args)
+    optimizer = optimizers.build_optimizer(args, params())[2]
+    with pytest.raises(UserError, match="--lr_scheduler 'cosine_annealing' is unknown"):
+        optimizers.build_lr_scheduler(args, optimizer, 10)
 
 
 def test_every_scheduler_name_kohya_accepts_builds():
