@@ -36,7 +36,8 @@ from library.run_data import TrainingData, Window
 from library.run_outputs import RunOutputs, StepResult
 from networks import merge_lora, network_base, registry
 
-NOTHING_TO_TRAIN = "--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing would train"
+NOTHING_TO_TRAIN = ("--learning_rate/--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing "
+                    "would train (--learning_rate 0 needs --unet_lr or --text_encoder_lr for the parts to train)")
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -139,8 +140,9 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     if args.network_alpha is not None and not (math.isfinite(args.network_alpha) and args.network_alpha >= 0):
         raise UserError(f"--network_alpha {args.network_alpha} must be a number >= 0 (the LoRA output is scaled by "
                         f"alpha/dim; 0 means alpha = dim, as in kohya)")
-    if args.learning_rate is not None and not args.learning_rate > 0:
-        raise UserError(f"--learning_rate {args.learning_rate} must be a positive number")
+    if args.learning_rate is not None and not args.learning_rate >= 0:
+        raise UserError(f"--learning_rate {args.learning_rate} must be a number >= 0 (0: only the parts given "
+                        f"--unet_lr/--text_encoder_lr train, as in kohya)")
     # kohya: a part whose learning rate is 0 is not trained
     if args.unet_lr is not None and not args.unet_lr >= 0:
         raise UserError(f"--unet_lr {args.unet_lr} must be a positive number (0: do not train the UNet)")
@@ -153,9 +155,11 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     fp8_base.validate_arguments(args)
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
-    registry.validate(args.network_module, network_base.parse_network_args(args.network_args))
-    if (args.network_train_text_encoder_only or args.unet_lr == 0) and (
-            args.network_train_unet_only or (args.text_encoder_lr and all(lr == 0 for lr in args.text_encoder_lr))):
+    registry.validate(args.network_module, network_base.parse_network_args(args.network_args),
+                      fp8_base.float8_flag(args))
+    unet_lr, text_encoder_lrs = optimizers.part_learning_rates(args)
+    if (args.network_train_text_encoder_only or unet_lr == 0) and (
+            args.network_train_unet_only or all(lr == 0 for lr in text_encoder_lrs)):
         raise UserError(NOTHING_TO_TRAIN)
     if len(args.base_weights_multiplier or []) > len(args.base_weights or []):
         raise UserError(f"--base_weights_multiplier has {len(args.base_weights_multiplier)} values for "
@@ -166,7 +170,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         raise UserError(f"--scale_weight_norms {args.scale_weight_norms} must be a positive number (0 = off)")
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
-    compatibility.refuse_unsupported(args)
+    compatibility.check_arguments(args, sdxl)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
     if os.path.dirname(args.output_name):
@@ -529,7 +533,7 @@ class NetworkTrainer:
             optimization.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer_step(args, optimization.optimizer, optimization.lr_scheduler, scaler,
-                                optimization.trainable_params)
+                                optimization.trainable_params, measured.loss)
             if args.scale_weight_norms:
                 max_norm_logs = max_norm_scalars(run.network.apply_max_norm_regularization(args.scale_weight_norms))
         stepped = not decision.skip and verdict.train and not (scaler is not None and scaler.last_step_skipped)
@@ -865,7 +869,8 @@ class NetworkTrainer:
         if timesteps is not None:
             drawn = replace(drawn, timesteps=timesteps.to(device))
         noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
-        prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
+        with compatibility.offloaded_activations(args, device):
+            prediction = self.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
         target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                          args.v_parameterization)
         result = losses.batch_loss(prediction, target, plan, run.loss_options)
@@ -884,9 +889,10 @@ class NetworkTrainer:
             result = self.compute_loss(run, batch, epoch, plan, timesteps=timesteps, seed=seed)
         return losses.normalize(result.loss_sum, result.weight_sum), result.weight_sum
 
-    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params, loss: float) -> None:
         """Unscale, clip, step; the LR schedule advances only when the optimizer really stepped (the
-        scaler's ``last_step_skipped`` tells the caller)."""
+        scaler's ``last_step_skipped`` tells the caller; the schedule sees the step's ``loss``:
+        reduce_lr_on_plateau)."""
         if scaler is not None:
             scaler.unscale_(optimizer)
         if args.max_grad_norm:
@@ -898,7 +904,7 @@ class NetworkTrainer:
             optimizer.step()
             stepped = True
         if stepped:
-            lr_scheduler.step()
+            optimizers.step_schedule(lr_scheduler, loss)
         optimizer.zero_grad(set_to_none=True)
 
 

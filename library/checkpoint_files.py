@@ -22,7 +22,7 @@ from library import checkpoint_keys as ck
 from library.errors import UserError, first_line
 
 if TYPE_CHECKING:
-    from library.model_loading import StableDiffusionModels
+    from library.models import StableDiffusionModels
 
 
 # safetensors dtype names -> torch dtypes read with plain file reads (others go through safe_open).
@@ -57,7 +57,7 @@ class CheckpointReader:
                 self._data_start = 8 + header_length
                 self._scratch: torch.Tensor | None = None
             else:
-                self._state = _load_pickled_state_dict(path)
+                self._state = load_pickled_state_dict(path)
                 self._keys = [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
         except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as error:
             self._stack.close()
@@ -122,7 +122,14 @@ class CheckpointReader:
         self.close()
 
 
-def _load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
+def is_safetensors(path: str | os.PathLike) -> bool:
+    """Whether a file is named as safetensors (others: ``torch.save`` files such as ``.ckpt``/``.pt``)."""
+    return Path(path).suffix.lower() == ".safetensors"
+
+
+def load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
+    """The tensors of a ``torch.save`` file (``.ckpt``/``.pt``; a top-level ``state_dict`` entry is
+    unwrapped), read with ``weights_only`` so that no code is unpickled. OSError when it holds other objects."""
     import pickle
 
     try:

@@ -9,22 +9,25 @@ for sd-scripts parses. What each one does here:
 * ``--caption_extention``: kohya's old misspelling, copied to ``--caption_extension``;
 * options with nothing to do here (the reason is in their help): accepted, no effect;
 * options this trainer cannot honour: refused with one line when set to anything but
-  their default (:func:`refuse_unsupported`), never silently ignored; their sub-options
-  (``--zero_stage``, ``--huggingface_token``, ...) are inert without them, as in kohya.
+  their default (:func:`check_arguments`), never silently ignored; their sub-options
+  (``--zero_stage``, ``--huggingface_token``, ...) are inert without them, as in kohya;
+* ``--cpu_offload_checkpointing``: :func:`offloaded_activations`;
+* ``--clip_skip`` on SDXL: ignored with kohya's warning (:func:`check_arguments`).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
+
+import torch
 
 from library.errors import UserError
 
 # dest -> why it cannot be honoured here (the whole error after the flag). Refused only when set.
 UNSUPPORTED: dict[str, str] = {
     "deepspeed": "DeepSpeed is not supported here; multi-GPU runs use accelerate launch or torchrun",
-    "cpu_offload_checkpointing": "offloading checkpointed activations to the CPU is not supported here; "
-                                 "--gradient_checkpointing alone is",
     "torch_compile": "torch.compile is not supported here",
     "huggingface_repo_id": "uploading to the Hugging Face Hub is not supported; upload the output files yourself",
     "save_state_to_huggingface": "uploading to the Hugging Face Hub is not supported",
@@ -67,8 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def inert(flag: str, needs: str, **kwargs: Any) -> None:
         add(flag, **kwargs, help=f"accepted, no effect (used only with {needs}, which is not supported)")
 
-    for flag in ("--deepspeed", "--cpu_offload_checkpointing", "--torch_compile", "--save_state_to_huggingface",
-                 "--resume_from_huggingface"):
+    add("--cpu_offload_checkpointing", action="store_true",
+        help="with --gradient_checkpointing, keep the activations the UNet's backward needs (the checkpointed "
+             "blocks' inputs) in pinned CPU memory instead of on the GPU: less GPU memory, some transfer time. "
+             "No memory saved on CPU. Default: off")
+    for flag in ("--deepspeed", "--torch_compile", "--save_state_to_huggingface", "--resume_from_huggingface"):
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)
@@ -87,14 +93,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accepted, no effect: a full fine-tuning option (sdxl_train.py), ignored by LoRA training as in kohya")
 
 
-def refuse_unsupported(args: argparse.Namespace) -> None:
-    """UserError naming the first option set to a value this trainer cannot honour (see ``UNSUPPORTED``).
-    Their defaults are all falsy (off, none, 0), so anything truthy was asked for."""
+def check_arguments(args: argparse.Namespace, sdxl: bool, announce: Callable[[str], None] = print) -> None:
+    """UserError naming the first option set to a value this trainer cannot honour (see ``UNSUPPORTED``;
+    their defaults are all falsy, so anything truthy was asked for); one line for options that do
+    nothing in this run (``sdxl``: the model the entry script trains)."""
     for dest, reason in UNSUPPORTED.items():
         value = getattr(args, dest)
         if value:
             shown = f"--{dest}" if value is True else f"--{dest} {value}"
             raise UserError(f"{shown}: {reason}")
+    if sdxl and args.clip_skip not in (None, 1):  # 1, the kohya_ss GUI's default, is "no skip"
+        announce(f"--clip_skip {args.clip_skip}: SDXL uses fixed text encoder layers, it has no effect (kohya "
+                 f"ignores it too, with a warning)")
+    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+        announce("--cpu_offload_checkpointing: no effect without --gradient_checkpointing (as in kohya)")
+    elif args.cpu_offload_checkpointing and not torch.cuda.is_available():
+        announce("--cpu_offload_checkpointing: training on the CPU, the activations are in CPU memory already")
+
+
+def offloaded_activations(args: argparse.Namespace, device: torch.device) -> AbstractContextManager:
+    """Where to run the UNet's forward: ``--cpu_offload_checkpointing`` with ``--gradient_checkpointing`` keeps
+    every tensor autograd saves there (with checkpointing, the checkpointed blocks' inputs) in CPU memory,
+    pinned on CUDA, until backward needs it. kohya passes ``cpu_offload=True`` to its SD/SDXL UNets, which do
+    not take it, and fails; its FLUX/SD3 models offload the checkpointed blocks' inputs the same way."""
+    if args.cpu_offload_checkpointing and args.gradient_checkpointing:
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    return nullcontext()
 
 
 def apply_aliases(args: argparse.Namespace) -> None:

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from library.errors import UserError
 
 if TYPE_CHECKING:
-    from library.model_loading import StableDiffusionModels, StoredAs
+    from library.model_loading import StoredAs
+    from library.models import StableDiffusionModels
 
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
@@ -67,25 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
-    """float8 weights are computed in the autocast dtype, so there must be one; and the network must
-    not read the frozen weights raw (LyCORIS outside bypass mode does)."""
-    for flag in ("fp8_base", "fp8_base_unet"):
-        if not getattr(args, flag):
-            continue
-        if args.mixed_precision not in ("fp16", "bf16"):
-            raise UserError(f"--{flag} needs --mixed_precision fp16 or bf16 (got {args.mixed_precision}): "
-                            f"the float8 weights are computed in that dtype")
-        if args.network_module == "lycoris.kohya":
-            from networks import lycoris_kohya, network_base
+    """float8 weights are computed in the autocast dtype, so there must be one. (Whether the network
+    type can compute with float8 weights is its own check: ``networks.registry.validate``.)"""
+    flag = float8_flag(args)
+    if flag is not None and args.mixed_precision not in ("fp16", "bf16"):
+        raise UserError(f"{flag} needs --mixed_precision fp16 or bf16 (got {args.mixed_precision}): "
+                        f"the float8 weights are computed in that dtype")
 
-            options = lycoris_kohya.read_options(network_base.parse_network_args(args.network_args))
-            # Outside bypass mode LyCORIS reads the layer's raw weight (glora builds its change
-            # from it, the others add their change to it): it would find the scaled float8 values.
-            if not options.flag("bypass_mode"):
-                hint = "train without it (algo=full has no bypass mode)" if options.algo == "full" else \
-                    "add --network_args bypass_mode=True"
-                raise UserError(f"--{flag} with --network_module lycoris.kohya algo={options.algo}: LyCORIS would "
-                                f"compute with the raw scaled float8 weights; {hint}")
+
+def float8_flag(args: argparse.Namespace) -> Optional[str]:
+    """``--fp8_base`` or ``--fp8_base_unet`` when one is given (the first), else None."""
+    return next((f"--{flag}" for flag in ("fp8_base", "fp8_base_unet") if getattr(args, flag)), None)
 
 
 def float8_components(args: argparse.Namespace) -> frozenset[str]:

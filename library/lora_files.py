@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_name", type=str, default=None,
                         help="base name of the LoRA files, without extension (default 'last')")
     parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
-                        help="LoRA file format (default safetensors; the only one this trainer writes)")
+                        help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
+                             "torch.save state dict without metadata, as kohya writes them")
     parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
                         help="dtype of saved weights (default: the training dtype: float32, or fp16/bf16 with "
                              "--full_fp16/--full_bf16)")
@@ -41,8 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate_arguments(args: argparse.Namespace) -> None:
     if not args.output_dir:
         raise UserError("--output_dir is required: the folder where LoRA files are written")
-    if args.save_model_as != "safetensors":
-        raise UserError(f"--save_model_as {args.save_model_as}: only safetensors is supported (it is what LoRA loaders read)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UserError(f"--output_dir {args.output_dir} exists and is not a folder")
     for flag in ("save_every_n_epochs", "save_every_n_steps", "save_n_epoch_ratio", "save_last_n_epochs",
@@ -166,9 +165,9 @@ class LoraWriter:
         self.save_dtype = SAVE_DTYPES[args.save_precision]
 
     def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
-        """Save ``network`` as ``file_name`` in the output folder; None when refused (see ``save_refusal``),
-        in which case nothing is written."""
-        path = os.path.join(self.args.output_dir, file_name)
+        """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder; None
+        when refused (see ``save_refusal``), in which case nothing is written."""
+        path = self._path(file_name)
         trained = network.lora_state_dict()
         state = cast_for_saving(trained, self.save_dtype)
         if find_non_finite(state) is not None:  # say why from the weights as trained: diverged, or overflowed
@@ -202,8 +201,11 @@ class LoraWriter:
                 if old_epoch is not None:
                     self._remove(epoch_file_name(self.args.output_name, old_epoch))
 
+    def _path(self, file_name: str) -> str:
+        return os.path.join(self.args.output_dir, f"{os.path.splitext(file_name)[0]}.{self.args.save_model_as}")
+
     def _remove(self, file_name: str) -> None:
-        path = os.path.join(self.args.output_dir, file_name)
+        path = self._path(file_name)
         if os.path.exists(path):
             os.remove(path)
             print(f"removed old {path}", flush=True)

@@ -6,23 +6,27 @@ autocast dtype. A micro-batch yields two numbers (:class:`WeightedLoss`):
 * ``loss_sum``   = sum over latent elements e of  w_e * loss_e, where
   w_e = per-sample weight (``prior_loss_weight``) * timestep weight (min-SNR, debiased,
   ...) * mask_e (the sample's mask at latent resolution, 1 without one);
-* ``weight_sum`` = sum over latent elements of mask_e: how many elements count.
+* ``weight_sum`` = how many latent elements count: all of them (``--masked_loss_normalization
+  image``, kohya's rule and the default), or the sum of mask_e (``mask``: the unmasked area).
 
 With ``--loss_normalization exact`` (the default) the loss of one optimizer step is
 sum(loss_sum) / sum(weight_sum) over the whole accumulation window and all processes:
-a per-element mean over the unmasked elements, the same however the window is split
-into micro-batches and processes. Per-sample and timestep weights stay in the numerator
-only: they scale the loss as in kohya (a window of one reg image with prior_loss_weight
-0.5 has half the loss), and do not cancel out. Without masks, with equal batch sizes and
-full windows this is exactly kohya's loss. ``micro`` is kohya's older rule: per micro-batch
-the mean over elements per sample, weighted, averaged over the batch; the window divides
-by ``gradient_accumulation_steps``.
+a per-element mean, the same however the window is split into micro-batches and processes.
+Per-sample and timestep weights stay in the numerator only: they scale the loss as in kohya
+(a window of one reg image with prior_loss_weight 0.5 has half the loss), and do not cancel
+out. With equal batch sizes and full windows this is exactly kohya's loss (masks included:
+kohya divides a masked sample's loss by its whole image, so a small mask gives a small loss;
+``mask`` divides by the mask's area instead, so every sample's unmasked pixels weigh the same
+whatever the mask's size). ``micro`` is kohya's older rule: per micro-batch the mean over
+elements per sample, weighted, averaged over the batch; the window divides by
+``gradient_accumulation_steps``.
 
 Numerical contract: for finite inputs with |prediction|, |target| <= 65504 (the fp16
 range), loss sums, weight sums, the normalised loss and all gradients are finite:
 SNR 0 (the last step of --zero_terminal_snr) and huge SNRs are handled as documented at
 :func:`timestep_weights`, Huber thresholds are kept positive, a sample whose mask is all
-zero adds 0 to both sums, and a window whose weight sum is 0 has loss 0 and zero gradient.
+zero adds 0 to the loss sum (and, with ``mask`` normalisation, to the weight sum), and a window
+whose weight sum is 0 has loss 0 and zero gradient.
 
 How the trainer uses it (per optimizer step; see :func:`micro_batch_objective`)::
 
@@ -45,6 +49,7 @@ from library.errors import UserError
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("constant", "exponential", "snr")
 NORMALIZATIONS = ("exact", "micro")
+MASKED_NORMALIZATIONS = ("image", "mask")
 WEIGHTING_SNR_MAX = 1000.0
 """kohya's cap on the SNR in scale_v_pred_loss_like_noise_pred, v_pred_like_loss and debiased estimation."""
 WEIGHTING_SNR_MIN = 1e-3
@@ -84,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--masked_loss", action="store_true",
         help="weight the loss by each sample's mask (the alpha channel of alpha_mask subsets). Alpha masks are "
              "applied whenever present, as in kohya; this flag checks that some subset has them")
+    add("--masked_loss_normalization", type=str, default="image", choices=MASKED_NORMALIZATIONS,
+        help="what a masked sample's loss is divided by (with --loss_normalization exact): image (default, kohya's "
+             "rule): all its latent elements, so a small mask gives a small loss; mask: the mask's area (its "
+             "values summed), so the unmasked pixels of every sample weigh the same")
     add("--loss_normalization", type=str, default="exact", choices=NORMALIZATIONS,
         help="exact (default): the step's loss is the weighted sum over the whole accumulation window and all "
              "processes divided by the number of unmasked latent elements; micro: kohya's mean per micro-batch, "
@@ -96,6 +105,9 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--loss_type {args.loss_type}: choose one of {', '.join(LOSS_TYPES)}")
     if args.huber_schedule not in HUBER_SCHEDULES:
         raise UserError(f"--huber_schedule {args.huber_schedule}: choose one of {', '.join(HUBER_SCHEDULES)}")
+    if args.masked_loss_normalization not in MASKED_NORMALIZATIONS:
+        raise UserError(f"--masked_loss_normalization {args.masked_loss_normalization}: choose one of "
+                        f"{', '.join(MASKED_NORMALIZATIONS)}")
     if args.loss_normalization not in NORMALIZATIONS:
         raise UserError(f"--loss_normalization {args.loss_normalization}: choose one of {', '.join(NORMALIZATIONS)}")
     if not args.huber_c > 0:
@@ -106,6 +118,13 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--min_snr_gamma {args.min_snr_gamma}: must be > 0 (e.g. 5), or 0/absent for off")
     if args.v_pred_like_loss is not None and args.v_pred_like_loss < 0:
         raise UserError(f"--v_pred_like_loss {args.v_pred_like_loss}: must be >= 0 (e.g. 0.1)")
+    # kohya refuses both: each weighting converts between epsilon and v losses, so one of the two is meaningless
+    if args.scale_v_pred_loss_like_noise_pred and not args.v_parameterization:
+        raise UserError("--scale_v_pred_loss_like_noise_pred scales a v-prediction loss like an epsilon one: it "
+                        "needs --v_parameterization (kohya refuses it without)")
+    if args.v_pred_like_loss and args.v_parameterization:
+        raise UserError("--v_pred_like_loss adds a v-prediction-like term to an epsilon-prediction loss: with "
+                        "--v_parameterization the loss already is one; remove one of them (kohya refuses both)")
     if args.masked_loss and not getattr(args, "alpha_mask", False) and not getattr(args, "dataset_config", None):
         raise UserError("--masked_loss needs masks: add --alpha_mask (images with an alpha channel), or alpha_mask = "
                         "true on subsets in --dataset_config")
@@ -125,6 +144,7 @@ class LossOptions:
     debiased_estimation_loss: bool = False
     v_parameterization: bool = False
     loss_normalization: str = "exact"
+    masked_loss_normalization: str = "image"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LossOptions":
@@ -308,7 +328,7 @@ def batch_weights(
             raise ValueError(f"mask {tuple(mask.shape)} does not match latents {(per_sample.shape[0], *latent_shape)}")
     if options.loss_normalization == "micro":
         weight_sum = torch.tensor(1.0)
-    elif mask is None:
+    elif mask is None or options.masked_loss_normalization == "image":
         weight_sum = torch.tensor(float(per_sample.shape[0] * channels * height * width))
     else:
         weight_sum = mask.sum(dtype=torch.float64).float() * channels

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
@@ -25,10 +24,10 @@ from library.checkpoint_keys import KeyMap, ModelKind, TensorRule
 from library.checkpoint_files import CheckpointReader
 from library.clip_tokenizers import load_tokenizers
 from library.errors import UserError, first_line
+from library.models import StableDiffusionModels  # noqa: F401  (the trainers import it from here too)
 
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` is fast
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTokenizer
 
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parent / "model_configs"
 SHIPPED_CONFIG_NAMES: dict[str, str] = {"sdxl": "sdxl_base", "sd1": "sd15", "sd2": "sd2_v"}
@@ -81,23 +80,6 @@ def load_device(args: argparse.Namespace) -> torch.device:
     from accelerate import PartialState
 
     return PartialState().device
-
-
-@dataclass
-class StableDiffusionModels:
-    """One base model, fp32 on CPU. SDXL: two tokenizers and text encoders (CLIP-L, then bigG with projection)."""
-
-    kind: ModelKind
-    tokenizers: list[CLIPTokenizer]
-    text_encoders: list[torch.nn.Module]
-    vae: AutoencoderKL
-    unet: UNet2DConditionModel
-    scheduler_config: dict[str, Any]
-    name: str
-
-    @property
-    def is_sdxl(self) -> bool:
-        return self.kind == "sdxl"
 
 
 def model_kind(*, sdxl: bool, v2: bool) -> ModelKind:

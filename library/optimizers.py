@@ -25,7 +25,7 @@ import inspect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -92,11 +92,13 @@ _OPTIMIZER_PACKAGES = {known.module.partition(".")[0] for known in _KNOWN_OPTIMI
 _DIFFUSERS_SCHEDULERS = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "piecewise_constant",
 )
-# ... the ones kohya takes from transformers, and Adafactor's own (a proxy that reports Adafactor's lr).
-_TRANSFORMERS_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+# ... the ones kohya takes from transformers (its pin, 4.54, has these names), and Adafactor's own (a proxy
+# that reports Adafactor's lr; kohya's spelling "adafactor:<initial lr>", plain "adafactor" here too).
+_TRANSFORMERS_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+                            "reduce_lr_on_plateau")
 LR_SCHEDULERS = _DIFFUSERS_SCHEDULERS + _TRANSFORMERS_SCHEDULERS + ("adafactor",)
 # Schedules that ignore warmup: a warmup given with them is a mistake (kohya raises too).
-_NO_WARMUP = ("constant", "piecewise_constant", "adafactor")
+_NO_WARMUP = ("constant", "piecewise_constant", "adafactor", "reduce_lr_on_plateau")
 # --lr_scheduler_args keys the diffusers schedules accept; the others come from flags.
 _DIFFUSERS_SCHEDULER_KWARGS = ("step_rules", "last_epoch")
 # Optimizer packages whose step runs on CPU tensors like on the GPU: ``validate_args`` takes a
@@ -126,16 +128,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '(e.g. "weight_decay=0.01 betas=0.9,0.999"). Default: none.',
     )
     parser.add_argument(
-        "--learning_rate", type=_positive_float, default=DEFAULT_LEARNING_RATE,
-        help=f"learning rate (> 0) for parameter groups without their own. Default: {DEFAULT_LEARNING_RATE:g}.",
+        "--learning_rate", type=_non_negative_float, default=DEFAULT_LEARNING_RATE,
+        help="learning rate (>= 0) of the parts without their own --unet_lr/--text_encoder_lr; 0: those parts are "
+        f"not trained (kohya). Default: {DEFAULT_LEARNING_RATE:g}.",
     )
     parser.add_argument(
         "--max_grad_norm", type=_non_negative_float, default=1.0,
         help="clip the L2 norm of the gradients to this value; 0 disables clipping. Default: 1.0.",
     )
     parser.add_argument(
-        "--lr_scheduler", type=str, default="constant", choices=LR_SCHEDULERS, metavar="NAME",
-        help=f"learning-rate schedule: {', '.join(LR_SCHEDULERS)}. Default: constant.",
+        "--lr_scheduler", type=_scheduler_name_text, default="constant", metavar="NAME",
+        help=f"learning-rate schedule: {', '.join(LR_SCHEDULERS)} (also adafactor:<initial lr>, kohya's spelling); "
+        "reduce_lr_on_plateau lowers the rate when the training loss stops falling (torch's ReduceLROnPlateau, "
+        "its arguments from --lr_scheduler_args, e.g. patience=200 factor=0.5; patience counts optimizer steps). "
+        "Default: constant.",
     )
     parser.add_argument(
         "--lr_scheduler_type", type=str, default="",
@@ -202,21 +208,61 @@ def validate_args(args: argparse.Namespace) -> None:
         _resolve_class(args.lr_scheduler_type, torch.optim.lr_scheduler, "--lr_scheduler_type")
         _refuse_warmup(args, f"--lr_scheduler_type {args.lr_scheduler_type}")
         return
-    if args.lr_scheduler not in LR_SCHEDULERS:
-        raise UserError(f"--lr_scheduler {args.lr_scheduler!r} is unknown; valid: {', '.join(LR_SCHEDULERS)}")
+    name, _ = scheduler_name(args.lr_scheduler)
     adafactor_own_lr = _is_adafactor(optimizer_class) and bool(
         optimizer_kwargs.get("relative_step", True) or optimizer_kwargs.get("warmup_init", False)
     )
-    if args.lr_scheduler == "adafactor" and not adafactor_own_lr:
+    if name == "adafactor" and not adafactor_own_lr:
         raise UserError(
             "--lr_scheduler adafactor needs --optimizer_type Adafactor with relative_step=True (its default)"
         )
     if adafactor_own_lr:
         _refuse_warmup(args, "Adafactor with relative_step=True")
-    elif args.lr_scheduler in _NO_WARMUP:
+    elif name in _NO_WARMUP:
         _refuse_warmup(args, f"--lr_scheduler {args.lr_scheduler}")
-    if args.lr_scheduler in _DIFFUSERS_SCHEDULERS:
-        _diffusers_scheduler_kwargs(args.lr_scheduler, scheduler_kwargs)
+    if name in _DIFFUSERS_SCHEDULERS:
+        _diffusers_scheduler_kwargs(name, scheduler_kwargs)
+
+
+def scheduler_name(text: str) -> tuple[str, Optional[float]]:
+    """``--lr_scheduler`` as (name, Adafactor's initial lr or None): kohya writes ``adafactor:<lr>``.
+    UserError naming the valid names for anything else unknown."""
+    name, colon, value = text.partition(":")
+    if name == "adafactor" and colon:
+        try:
+            return name, float(value)
+        except ValueError:
+            raise UserError(f"--lr_scheduler {text}: the initial learning rate after 'adafactor:' is not a number "
+                            f"(e.g. adafactor:1e-3)") from None
+    if text not in LR_SCHEDULERS:
+        raise UserError(f"--lr_scheduler {text!r} is unknown; valid: {', '.join(LR_SCHEDULERS)}, adafactor:<lr>")
+    return text, None
+
+
+class ReduceLROnLossPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """``--lr_scheduler reduce_lr_on_plateau``: torch's ReduceLROnPlateau on the training loss.
+
+    The trainer steps schedules without arguments; this one compares the loss handed to
+    :meth:`observe_loss` (the optimizer step's loss; a non-finite one is skipped). kohya passes
+    this schedule warmup arguments it does not take and fails while building it.
+    """
+
+    latest_loss: Optional[float] = None
+
+    def observe_loss(self, loss: float) -> None:
+        self.latest_loss = loss
+
+    def step(self, metrics: Optional[float] = None, epoch: Optional[int] = None) -> None:  # noqa: D102
+        metrics = self.latest_loss if metrics is None else metrics
+        if metrics is not None and math.isfinite(metrics):
+            super().step(metrics)
+
+
+def step_schedule(scheduler: Any, loss: float) -> None:
+    """Advance ``scheduler`` after an optimizer step whose loss was ``loss``."""
+    if isinstance(scheduler, ReduceLROnLossPlateau):
+        scheduler.observe_loss(loss)
+    scheduler.step()
 
 
 def effective_optimizer_type(args: argparse.Namespace) -> str:
@@ -409,6 +455,13 @@ def _check_argument_kinds(optimizer_class: type, kwargs: dict[str, Any]) -> None
             raise UserError(f"--optimizer_args {key}={shown}: {name} takes a number for {key} (default {default})")
 
 
+def part_learning_rates(args: argparse.Namespace) -> tuple[float, list[float]]:
+    """(UNet, [text encoder ...]) learning rates: ``--unet_lr``/``--text_encoder_lr`` (one value for
+    every encoder, or one per encoder), else ``--learning_rate``. A part at 0 is not trained (kohya)."""
+    unet_lr = args.unet_lr if getattr(args, "unet_lr", None) is not None else args.learning_rate
+    return unet_lr, list(getattr(args, "text_encoder_lr", None) or [args.learning_rate])
+
+
 def _learning_rates(args: argparse.Namespace) -> dict[str, float]:
     """The distinct positive learning rates of the run's parameter groups, each by the flag giving it."""
     rates = {"--learning_rate": args.learning_rate}
@@ -523,7 +576,7 @@ def build_lr_scheduler(
     warmup_steps = _scaled_steps(args.lr_warmup_steps, total_steps, num_processes, "--lr_warmup_steps")
     decay_steps = _scaled_steps(getattr(args, "lr_decay_steps", 0), total_steps, num_processes, "--lr_decay_steps")
     kwargs = parse_key_value_args(args.lr_scheduler_args, "--lr_scheduler_args")
-    name = args.lr_scheduler
+    name, adafactor_initial_lr = scheduler_name(args.lr_scheduler)
 
     if args.lr_scheduler_type:
         _refuse_warmup(args, f"--lr_scheduler_type {args.lr_scheduler_type}")
@@ -541,10 +594,8 @@ def build_lr_scheduler(
         _refuse_warmup(args, "Adafactor with relative_step=True")
         from transformers.optimization import AdafactorSchedule
 
-        return AdafactorSchedule(optimizer, initial_lr=args.learning_rate)
+        return AdafactorSchedule(optimizer, initial_lr=adafactor_initial_lr or args.learning_rate)
 
-    if name not in LR_SCHEDULERS:
-        raise UserError(f"--lr_scheduler {name!r} is unknown; valid: {', '.join(LR_SCHEDULERS)}")
     if name in _NO_WARMUP:
         _refuse_warmup(args, f"--lr_scheduler {name}")
     if warmup_steps > total_steps:
@@ -570,12 +621,19 @@ def build_lr_scheduler(
         timescale = None if timescale is None else timescale * num_processes
         return _construct(schedules.get_inverse_sqrt_schedule, "--lr_scheduler_args", optimizer,
                           num_warmup_steps=warmup_steps, timescale=timescale, **kwargs)
-    if name == "cosine_with_min_lr":
-        if min_lr_ratio is None:
-            raise UserError("--lr_scheduler cosine_with_min_lr needs --lr_scheduler_min_lr_ratio (e.g. 0.1)")
-        return _construct(schedules.get_cosine_with_min_lr_schedule_with_warmup, "--lr_scheduler_args", optimizer,
-                          num_warmup_steps=warmup_steps, num_training_steps=total_steps,
-                          num_cycles=cycles / 2, min_lr_rate=min_lr_ratio, **kwargs)
+    if name == "reduce_lr_on_plateau":
+        return _construct(ReduceLROnLossPlateau, "--lr_scheduler_args", optimizer, **kwargs)
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        # the second also starts its warmup from warmup_lr_rate (--lr_scheduler_args) instead of 0 and may take
+        # min_lr instead of the ratio; kohya passes it decay steps it does not take and fails while building it
+        if min_lr_ratio is None and "min_lr" not in kwargs:
+            raise UserError(f"--lr_scheduler {name} needs --lr_scheduler_min_lr_ratio (e.g. 0.1)")
+        factory = (schedules.get_cosine_with_min_lr_schedule_with_warmup if name == "cosine_with_min_lr"
+                   else schedules.get_cosine_with_min_lr_schedule_with_warmup_lr_rate)
+        if min_lr_ratio is not None:
+            kwargs["min_lr_rate"] = min_lr_ratio
+        return _construct(factory, "--lr_scheduler_args", optimizer, num_warmup_steps=warmup_steps,
+                          num_training_steps=total_steps, num_cycles=cycles / 2, **kwargs)
     # warmup_stable_decay
     if decay_steps < 1 or warmup_steps + decay_steps > total_steps:
         raise UserError(
@@ -703,9 +761,10 @@ def _refuse_warmup(args: argparse.Namespace, what: str) -> None:
 
 def _check_learning_rate(learning_rate: Any) -> float:
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
-        math.isfinite(learning_rate) and learning_rate > 0
+        math.isfinite(learning_rate) and learning_rate >= 0
     ):
-        raise UserError(f"--learning_rate {learning_rate}: give a positive number (e.g. 1e-4)")
+        raise UserError(f"--learning_rate {learning_rate}: give a number >= 0 (e.g. 1e-4; 0 with --unet_lr/"
+                        f"--text_encoder_lr trains only the parts given there)")
     return float(learning_rate)
 
 
@@ -725,11 +784,13 @@ def _warn_about_adaptive_lr(learning_rate: float, groups: list[Any]) -> None:
 # argparse types: they raise ArgumentTypeError, which argparse and --config_file report with the flag
 
 
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+def _scheduler_name_text(text: str) -> str:
+    """``--lr_scheduler`` checked by :func:`scheduler_name` (so a config file's value is checked as a flag's)."""
+    try:
+        scheduler_name(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--lr_scheduler ")) from None
+    return text
 
 
 def _non_negative_float(text: str) -> float:

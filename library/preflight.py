@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
+from library.checkpoint_files import is_safetensors, load_pickled_state_dict
 from library.errors import UserError, first_line
 
 
@@ -65,25 +67,34 @@ def check_output_paths(args: argparse.Namespace) -> None:
 
 
 def check_lora_file(flag: str, path: str | os.PathLike) -> None:
-    """``path`` is a readable safetensors file whose floating-point tensors are all finite.
+    """``path`` is a readable LoRA file (safetensors, or kohya's ``--save_model_as ckpt|pt`` torch file)
+    whose floating-point tensors are all finite.
 
-    Reads one tensor at a time, so the check costs the file's size in reading, not in memory.
-    A LoRA holding NaN/Inf would make every training step NaN (or poison the base model as
+    Reads a safetensors file one tensor at a time, so the check costs the file's size in reading, not
+    in memory. A LoRA holding NaN/Inf would make every training step NaN (or poison the base model as
     ``--base_weights``); a kohya-ss LoRA saved from a diverged run can hold them.
     """
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file; give a LoRA .safetensors file")
+        raise UserError(f"{flag} {path}: no such file; give a LoRA .safetensors (or .ckpt/.pt) file")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as file:
-            for key in file.keys():
-                tensor = file.get_tensor(key)
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise UserError(f"{flag} {path}: {key} holds NaN/Inf; the file comes from a diverged run, "
-                                    f"use an earlier save")
+        for key, tensor in _lora_tensors(str(path)):
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise UserError(f"{flag} {path}: {key} holds NaN/Inf; the file comes from a diverged run, "
+                                f"use an earlier save")
     except UserError:
         raise
-    except Exception as error:  # safetensors raises several types for damaged or foreign files
-        raise UserError(f"{flag} {path}: not a readable safetensors file ({first_line(error)})") from None
+    except Exception as error:  # safetensors and torch.load raise several types for damaged or foreign files
+        kind = "safetensors file" if is_safetensors(str(path)) else "torch state dict"
+        raise UserError(f"{flag} {path}: not a readable {kind} ({first_line(error)})") from None
+
+
+def _lora_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if not is_safetensors(path):
+        yield from load_pickled_state_dict(Path(path)).items()
+        return
+    with safe_open(path, framework="pt", device="cpu") as file:
+        for key in file.keys():
+            yield key, file.get_tensor(key)
 
 
 def check_input_files(args: argparse.Namespace) -> None:

@@ -11,6 +11,16 @@ Prompt files (``--sample_prompts``), as in kohya-ss sd-scripts:
   ``scale``, ``sample_sampler``.
 * ``.json``: a list of such dicts, or of prompt lines.
 
+Prompts are encoded as training encodes captions (``library.text_encoding``: the same layers,
+``--clip_skip`` on SD 1.x/2.x), with A1111 weights ``(word:1.2)`` always read and as many 75-token
+chunks as the longer of prompt and negative prompt needs, up to 225 tokens (kohya's SD 1.x sampler
+does the same through its long-prompt pipeline, which also rescales weighted embeddings to keep
+their mean; its SDXL sampler cuts prompts at ``--max_token_length``; here both keep the whole
+prompt, weighted as in training). An empty negative prompt is encoded as "" (not zeros), as in kohya.
+
+``--sample_every_n_steps`` / ``--sample_every_n_epochs`` 0 (or below) mean "off", with one line
+saying so (kohya's rule).
+
 Prompt files are read only when a sample point is scheduled (``--sample_every_n_steps``,
 ``--sample_every_n_epochs``, ``--sample_at_first``). An empty or missing file means no sampling,
 not an error: the kohya_ss GUI always passes ``<output_dir>/sample/prompt.txt`` and leaves it empty
@@ -44,13 +54,15 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from library import atomic_files, tracking
+from library import atomic_files, text_encoding, tracking
 from library.datasets.config import MAX_SIDE_PX
 from library.errors import UserError
 
 SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
             "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")
 SAMPLE_FOLDER = "sample"
+MAX_PROMPT_CHUNKS = 3  # 225 tokens, as kohya's long-prompt pipeline
+EVERY_N_FLAGS = ("sample_every_n_steps", "sample_every_n_epochs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "read when a sample point is scheduled; then it keeps the VAE and text encoders "
                             "loaded. An empty or missing file samples nothing. Default: no sampling")
     group.add_argument("--sample_every_n_steps", type=int, default=None, metavar="N",
-                       help="sample every N optimizer steps (ignored with --sample_every_n_epochs). Default: never")
+                       help="sample every N optimizer steps (ignored with --sample_every_n_epochs; 0: never, as "
+                            "kohya). Default: never")
     group.add_argument("--sample_every_n_epochs", type=int, default=None, metavar="N",
-                       help="sample every N epochs (replaces --sample_every_n_steps). Default: never")
+                       help="sample every N epochs (replaces --sample_every_n_steps; 0: never, as kohya). "
+                            "Default: never")
     group.add_argument("--sample_at_first", action="store_true",
                        help="also sample before the first step. Default: off")
     group.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLERS,
@@ -194,10 +208,17 @@ def load_prompts(path: str | os.PathLike) -> list[SamplePrompt]:
     return prompts
 
 
+def every(args: argparse.Namespace, flag: str) -> Optional[int]:
+    """``--sample_every_n_steps``/``--sample_every_n_epochs`` as a period; None when absent, 0 or below
+    (kohya: off)."""
+    value = getattr(args, flag, None)
+    return value if value is not None and value > 0 else None
+
+
 def is_scheduled(args: argparse.Namespace) -> bool:
     """Whether the run has a sample point: a prompt file and ``--sample_at_first`` or an every-N option."""
     return bool(getattr(args, "sample_prompts", None)) and bool(
-        args.sample_at_first or args.sample_every_n_steps or args.sample_every_n_epochs)
+        args.sample_at_first or any(every(args, flag) for flag in EVERY_N_FLAGS))
 
 
 def check_samplers(args: argparse.Namespace, prompts: list[SamplePrompt]) -> None:
@@ -207,12 +228,8 @@ def check_samplers(args: argparse.Namespace, prompts: list[SamplePrompt]) -> Non
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad schedule values, and, when a sample point is scheduled, a prompt file that cannot
-    be parsed or names an unusable sampler (now, not at the first sample point)."""
-    for flag in ("sample_every_n_steps", "sample_every_n_epochs"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag} must be a positive integer (got {value})")
+    """When a sample point is scheduled, refuse a prompt file that cannot be parsed or names an
+    unusable sampler (now, not at the first sample point)."""
     if is_scheduled(args):
         check_samplers(args, load_prompts(args.sample_prompts))
 
@@ -221,10 +238,14 @@ def drop_unused_prompt_file(args: argparse.Namespace, announce: Callable[[str], 
     """Clear ``args.sample_prompts`` when the run will sample nothing, so that no sample point fires
     and the VAE and text encoders are not kept for sampling (see :func:`is_scheduled`).
 
-    Nothing scheduled: cleared without reading the file, with one line only when the file has
-    content (the GUI's empty file says nothing). Scheduled, but the file is empty or missing:
-    cleared with one line. Call after :func:`validate_arguments`.
+    An every-N option of 0 or below is off, with kohya's line saying so. Nothing scheduled: cleared
+    without reading the file, with one line only when the file has content (the GUI's empty file
+    says nothing). Scheduled, but the file is empty or missing: cleared with one line. Call after
+    :func:`validate_arguments`.
     """
+    for flag in EVERY_N_FLAGS:
+        if getattr(args, flag, None) is not None and every(args, flag) is None:
+            announce(f"--{flag} {getattr(args, flag)}: 0 or less, so sampling by it is off (as in kohya)")
     path = getattr(args, "sample_prompts", None)
     if not path:
         return
@@ -245,11 +266,10 @@ def is_sample_point(args: argparse.Namespace, when: str, step: int, epoch: Optio
         return False
     if when == "first":
         return bool(args.sample_at_first)
+    epochs, steps = every(args, "sample_every_n_epochs"), every(args, "sample_every_n_steps")
     if when == "epoch":
-        every = args.sample_every_n_epochs
-        return bool(every) and epoch is not None and epoch % every == 0
-    every = args.sample_every_n_steps
-    return args.sample_every_n_epochs is None and bool(every) and step % every == 0
+        return epochs is not None and epoch is not None and epoch % epochs == 0
+    return epochs is None and steps is not None and step % steps == 0
 
 
 def make_scheduler(sampler: str, scheduler_config: dict[str, Any], v_parameterization: bool = False):
@@ -309,7 +329,28 @@ def preserved_training_state(modules: list[torch.nn.Module]) -> Iterator[None]:
         set_rng_state(saved_rng)
 
 
-def build_pipeline(models, scheduler, clip_skip: Optional[int] = None):
+def prompt_embeddings(models, prompt: SamplePrompt, clip_skip: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The pipeline's conditioning arguments for one prompt and its negative prompt ("" when none),
+    encoded as training encodes captions, with A1111 weights, in as many 75-token chunks as the longer
+    of the two needs (up to :data:`MAX_PROMPT_CHUNKS`; one line when a prompt is cut)."""
+    texts = [prompt.prompt, prompt.negative_prompt or ""]
+    lengths = [len(text_encoding.weighted_tokens(models.tokenizers[0], text)[0]) for text in texts]
+    chunks = min(MAX_PROMPT_CHUNKS, max(1, math.ceil(max(lengths) / text_encoding.CLIP_TOKENS_PER_CHUNK)))
+    limit = chunks * text_encoding.CLIP_TOKENS_PER_CHUNK
+    if max(lengths) > limit:
+        print(f"\nsample prompt {prompt.index}: {max(lengths)} tokens, the first {limit} are used", flush=True)
+    max_token_length = None if chunks == 1 else limit
+    if models.kind == "sdxl":
+        hidden, pooled = text_encoding.encode_sdxl(models.tokenizers, models.text_encoders, texts, max_token_length,
+                                                   weighted=True)
+        return {"prompt_embeds": hidden[:1], "negative_prompt_embeds": hidden[1:],
+                "pooled_prompt_embeds": pooled[:1], "negative_pooled_prompt_embeds": pooled[1:]}
+    hidden = text_encoding.encode_sd(models.tokenizers[0], models.text_encoders[0], texts, max_token_length,
+                                     clip_skip, weighted=True)
+    return {"prompt_embeds": hidden[:1], "negative_prompt_embeds": hidden[1:]}
+
+
+def build_pipeline(models, scheduler):
     """A diffusers pipeline over the in-memory components of ``models`` (kind from ``models.kind``)."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
@@ -359,14 +400,11 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
                                                 getattr(args, "v_parameterization", False))
             seed = prompt.seed if prompt.seed is not None else random.SystemRandom().randrange(2**63)
             generator = torch.Generator(device=device).manual_seed(seed)
-            call: dict[str, Any] = dict(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt,
-                                        width=prompt.width, height=prompt.height,
-                                        num_inference_steps=prompt.sample_steps, guidance_scale=prompt.scale,
-                                        generator=generator)
-            if models.kind != "sdxl" and getattr(args, "clip_skip", None):
-                call["clip_skip"] = args.clip_skip - 1  # kohya counts the last layer as 1, diffusers as 0
             with autocast:
-                image = pipeline(**call).images[0]
+                conditioning = prompt_embeddings(models, prompt, getattr(args, "clip_skip", None))
+                image = pipeline(**conditioning, width=prompt.width, height=prompt.height,
+                                 num_inference_steps=prompt.sample_steps, guidance_scale=prompt.scale,
+                                 generator=generator).images[0]
             path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)
             png = io.BytesIO()
             image.save(png, format="PNG")

@@ -137,6 +137,16 @@ def parse_weighted_caption(caption: str) -> list[tuple[str, float]]:
     return joined or [("", 1.0)]
 
 
+def weighted_tokens(tokenizer, caption: str) -> tuple[list[int], list[float]]:
+    """The token ids of a caption in attention syntax (no <BOS>/<EOS>, not cut) and each token's weight."""
+    pieces = parse_weighted_caption(caption)
+    # verbose=False: a long caption is cut by the callers, so the tokenizer's "too long" warning would mislead
+    piece_ids = tokenizer([text for text, _ in pieces], add_special_tokens=False, verbose=False).input_ids
+    ids = [token for tokens in piece_ids for token in tokens]
+    weights = [weight for (_, weight), tokens in zip(pieces, piece_ids) for _ in tokens]
+    return ids, weights
+
+
 def tokenize_weighted(tokenizer, captions: list[str], max_token_length: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and float32 per-token weights, both (batch, chunks, 77), for captions in attention syntax.
@@ -149,11 +159,8 @@ def tokenize_weighted(tokenizer, captions: list[str], max_token_length: Optional
     body_length = CLIP_TOKENS_PER_CHUNK * num_chunks(max_token_length)
     id_rows, weight_rows = [], []
     for caption in captions:
-        pieces = parse_weighted_caption(caption)
-        # verbose=False: a long piece is cut below, so the tokenizer's "too long" warning would mislead
-        piece_ids = tokenizer([text for text, _ in pieces], add_special_tokens=False, verbose=False).input_ids
-        ids = [token for tokens in piece_ids for token in tokens][:body_length]
-        weights = [weight for (_, weight), tokens in zip(pieces, piece_ids) for _ in tokens][:body_length]
+        ids, weights = weighted_tokens(tokenizer, caption)
+        ids, weights = ids[:body_length], weights[:body_length]
         padding = body_length - len(ids)
         id_rows.append([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id] + [tokenizer.pad_token_id] * padding)
         weight_rows.append([1.0, *weights, 1.0] + [1.0] * padding)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
-from library import atomic_files
+from library import atomic_files, kohya_state, optimizers
 from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
 from library.errors import UserError, first_line
@@ -77,8 +77,8 @@ def validate_arguments(args: argparse.Namespace) -> None:
 
 
 def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Progress") -> "Progress":
-    """``fresh`` moved to where ``--initial_step``/``--initial_epoch`` start a run without a state
-    (a resumed run continues at its state's step instead).
+    """``fresh`` moved to where ``--initial_step``/``--initial_epoch`` (or a kohya-ss state given to ``--resume``,
+    as kohya does) start a run without a state of this trainer (a resumed run continues at its state's step).
 
     The global step and epoch start there, so step-keyed saves, logs and the end at
     ``--max_train_steps`` line up with a longer run; the data of each epoch is the same as in
@@ -88,11 +88,13 @@ def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Pro
         step = args.initial_step
     elif args.initial_epoch is not None:
         step = (args.initial_epoch - 1) * steps_per_epoch
+    elif kohya_state.resume_step(args.resume) is not None:
+        step = kohya_state.resume_step(args.resume)
     else:
         return fresh
     if step >= args.max_train_steps:
-        raise UserError(f"the initial step {step} (--initial_step/--initial_epoch) must be below "
-                        f"--max_train_steps {args.max_train_steps}")
+        raise UserError(f"the initial step {step} (--initial_step/--initial_epoch, or --resume's kohya state) must "
+                        f"be below --max_train_steps {args.max_train_steps}")
     step_in_epoch = step % steps_per_epoch if args.skip_until_initial_step else 0
     return replace(fresh, global_step=step, epoch=1 + step // steps_per_epoch,
                    batches_done=step_in_epoch * args.gradient_accumulation_steps)
@@ -154,9 +156,10 @@ class Progress:
 
 
 def untrained_parts(args: argparse.Namespace) -> list[str]:
-    """The LoRA parts ``--unet_lr 0`` / ``--text_encoder_lr ... 0 ...`` leave untrained (kohya's rule)."""
-    parts = ["unet"] if args.unet_lr == 0 else []
-    rates = args.text_encoder_lr or []
+    """The LoRA parts whose learning rate is 0 (``--unet_lr``/``--text_encoder_lr``, else ``--learning_rate``):
+    kohya leaves them untrained."""
+    unet_lr, rates = optimizers.part_learning_rates(args)
+    parts = ["unet"] if unet_lr == 0 else []
     if len(rates) == 1:  # one value for every text encoder
         return parts + (["text_encoders"] if rates[0] == 0 else [])
     return parts + [f"text_encoder{index + 1}" for index, lr in enumerate(rates) if lr == 0]
@@ -239,10 +242,6 @@ class TrainingState:
     rng: dict[str, Any]
 
 
-# kohya-ss writes this file into its accelerate state folders ({"current_epoch": .., "current_step": ..}).
-KOHYA_STATE_MARKER = "train_state.json"
-
-
 def verify_state(path: Path) -> tuple[bool, str]:
     """(intact, reason): every file listed in the manifest exists with its checksum."""
     manifest_path = path / MANIFEST
@@ -261,19 +260,6 @@ def verify_state(path: Path) -> tuple[bool, str]:
         if file_sha256(file) != checksum:
             return False, f"checksum mismatch in {name}"
     return True, "intact"
-
-
-def kohya_state_hint(path: Path) -> str:
-    """The error for a kohya-ss (accelerate) state folder: what to run instead. Its
-    ``model.safetensors`` holds the LoRA with kohya's keys, which ``--network_weights`` reads."""
-    try:
-        step = int(json.loads((path / KOHYA_STATE_MARKER).read_text())["current_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        step = None
-    continue_at = f" --initial_step {step}" if step else ""
-    return (f"--resume {path}: a kohya-ss (accelerate) state folder, which this trainer cannot resume exactly; "
-            f"continue from its weights instead (optimizer and LR schedule start fresh): --network_weights "
-            f"{path / 'model.safetensors'}{continue_at}")
 
 
 class StateStore:
@@ -384,9 +370,9 @@ class StateStore:
             path = Path(resume)
             if not path.is_dir():
                 raise UserError(f"--resume {resume}: no such state folder")
+            if kohya_state.is_kohya_state(path):
+                return path
             intact, reason = verify_state(path)
-            if not intact and (path / KOHYA_STATE_MARKER).is_file():
-                raise UserError(kohya_state_hint(path))
             if not intact:
                 raise UserError(f"--resume {resume}: the state is damaged ({reason}); use another state or --resume auto")
             return path
@@ -502,6 +488,9 @@ class RunStates:
         """Load the state folder ``path`` (from ``find_resume_state``) into the network, the components
         and the RNGs; returns its progress, or None to start fresh (``path`` None)."""
         if path is None:
+            return None
+        if kohya_state.is_kohya_state(path):  # its step is the run's initial step (initial_progress)
+            kohya_state.restore(path, self.network, self.components, device)
             return None
         state = self.store.load(path)
         self.network.load_training_state_dict({key: value.to(device) for key, value in state.lora.items()})

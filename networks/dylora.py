@@ -110,8 +110,9 @@ class DyLoRAModule(AdapterModule):
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
         parts = {"down": self.down_weight(), "up": self.up_weight(), "alpha": self.alpha}
-        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
-        return {"weight": weight + multiplier * lora.lora_delta(parts)}
+        dtype = network_base.merge_dtype(self.org_module.weight.dtype)
+        weight = fp8_base.frozen_weight(self.org_module, dtype)
+        return {"weight": weight + multiplier * lora.lora_delta(parts, dtype)}
 
 
 def validate_network_args(network_args: Mapping[str, str]) -> None:

@@ -90,8 +90,9 @@ class LoRAModule(AdapterModule):
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
         parts = {"down": self.lora_down.weight, "up": self.lora_up.weight, "alpha": self.alpha}
-        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
-        return {"weight": weight + multiplier * lora_delta(parts)}
+        dtype = network_base.merge_dtype(self.org_module.weight.dtype)
+        weight = fp8_base.frozen_weight(self.org_module, dtype)
+        return {"weight": weight + multiplier * lora_delta(parts, dtype)}
 
 
 class LoRANetwork(AdapterNetwork):

@@ -171,6 +171,17 @@ def validate_network_args(network_args: Mapping[str, str]) -> None:
     read_options(network_args)
 
 
+def check_float8_base(network_args: Mapping[str, str], flag: str) -> None:
+    """Outside bypass mode LyCORIS reads the layer's raw weight (glora builds its change from it, the
+    others add their change to it): it would find the scaled float8 values (``library.fp8_base``)."""
+    options = read_options(network_args)
+    if not options.flag("bypass_mode"):
+        hint = "train without it (algo=full has no bypass mode)" if options.algo == "full" else \
+            "add --network_args bypass_mode=True"
+        raise UserError(f"{flag} with --network_module {NETWORK_MODULE} algo={options.algo}: LyCORIS would "
+                        f"compute with the raw scaled float8 weights; {hint}")
+
+
 def preset_config(preset: str) -> dict:
     """lycoris' preset: a built-in name or a preset ``.toml`` file; UserError naming both kinds."""
     if preset in PRESET:
@@ -318,9 +329,10 @@ class LycorisNetwork(AdapterNetwork):
                 weight, bias = _merged_weight(lora, multiplier, self.wrapped_module(lora).weight)
         finally:
             lora.train(training)
-        merged = {"weight": weight.float()}
+        dtype = network_base.merge_dtype(self.wrapped_module(lora).weight.dtype)
+        merged = {"weight": weight.to(dtype)}
         if bias is not None:
-            merged["bias"] = bias.float()
+            merged["bias"] = bias.to(dtype)
         return merged
 
     # -- max-norm: lycoris' apply_max_norm ----------------------------------------------

@@ -38,7 +38,8 @@ from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E4
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import addnet_hashes  # noqa: E402
-from networks import registry  # noqa: E402
+from library.models import StableDiffusionModels  # noqa: E402
+from networks import network_base, registry  # noqa: E402
 from networks.lora import lora_modules, module_scale, read_lora_file, save_lora_file  # noqa: E402
 from networks.network_base import read_lora_metadata  # noqa: E402
 
@@ -56,6 +57,16 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="dtype of the saved weights. Default: float")
     parser.add_argument("--precision", default="float", choices=["float", "fp16", "bf16"],
                         help="accepted for kohya compatibility; merging is always computed in float32")
+    add_base_model_arguments(parser)
+    parser.add_argument("--concat", action="store_true",
+                        help="accepted for kohya compatibility; LoRAs are always merged by concatenating ranks")
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="LoRA output: write only the minimal ss_* keys, no modelspec/training metadata")
+    return parser
+
+
+def add_base_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the tools read ``--sd_model`` (a single file's architecture and tokenizers, a folder's kind)."""
     parser.add_argument("--v2", action="store_true", help="a diffusers-folder --sd_model is SD 2.x")
     parser.add_argument("--sdxl", action="store_true", help="a diffusers-folder --sd_model is SDXL")
     parser.add_argument("--model_config_dir", default=None,
@@ -63,11 +74,15 @@ def setup_parser() -> argparse.ArgumentParser:
                              "Default: the shipped config of the detected kind")
     parser.add_argument("--tokenizer_cache_dir", default=None,
                         help="kohya tokenizer cache (loading a model needs its tokenizers). Default: none")
-    parser.add_argument("--concat", action="store_true",
-                        help="accepted for kohya compatibility; LoRAs are always merged by concatenating ranks")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="LoRA output: write only the minimal ss_* keys, no modelspec/training metadata")
-    return parser
+
+
+def load_base_model(args: argparse.Namespace) -> StableDiffusionModels:
+    """``--sd_model``, its kind detected (see :func:`detect_kind`), in float32 on the CPU."""
+    sd_model = Path(args.sd_model)
+    kind = detect_kind(sd_model, args)
+    return model_loading.load_models(sd_model, sdxl=kind == "sdxl", v2=kind == "sd2",
+                                     model_config_dir=args.model_config_dir,
+                                     tokenizer_cache_dir=args.tokenizer_cache_dir)
 
 
 def resolve_ratios(models: Sequence[str], ratios: Optional[Sequence[float]]) -> list[float]:
@@ -94,7 +109,7 @@ def detect_kind(path: Path, args: argparse.Namespace) -> model_loading.ModelKind
     return kind
 
 
-def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequence[str],
+def merge_into_models(models: StableDiffusionModels, paths: Sequence[str],
                       ratios: Sequence[float], flag: str = "--models") -> int:
     """Merge each network file, ratio-weighted, into the matching weights of ``models`` in place, in
     order (any type in ``networks.registry``: the type's own merged weight, e.g. ``W + ratio * delta``
@@ -104,11 +119,12 @@ def merge_into_models(models: model_loading.StableDiffusionModels, paths: Sequen
     changed = 0
     for path, ratio in zip(paths, ratios):
         network = registry.network_from_file(path, models.text_encoders, models.unet, unet_names, flag)
+        network.to(dtype=network_base.merge_dtype(models.unet.dtype))  # float64 for a float64 model
         changed += network.merge_into_model(ratio)
     return changed
 
 
-def merge_base_weights(models: model_loading.StableDiffusionModels, paths: Sequence[str],
+def merge_base_weights(models: StableDiffusionModels, paths: Sequence[str],
                        multipliers: Optional[Sequence[float]]) -> None:
     """``--base_weights``: merge network files into the frozen models before training (kohya's order:
     before the trained network is created). A file without a multiplier gets 1.0."""
@@ -178,18 +194,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_lora_file(merged, args.save_to, metadata)
         print(f"saved {args.save_to}: {len(merged) // 3} modules from {len(loras)} LoRAs")
         return
-    sd_model = Path(args.sd_model)
-    kind = detect_kind(sd_model, args)
-    models = model_loading.load_models(sd_model, sdxl=kind == "sdxl", v2=kind == "sd2",
-                                       model_config_dir=args.model_config_dir,
-                                       tokenizer_cache_dir=args.tokenizer_cache_dir)
+    models = load_base_model(args)
     changed = merge_into_models(models, args.models, ratios)
     bad = next((name for name, tensor in checkpoint_files.iter_model_tensors(models)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise UserError(f"the merged model holds NaN/Inf in {bad}; check --models/--ratios")
     checkpoint_files.save_single_file(models, args.save_to, dtype=save_dtype)
-    print(f"saved {args.save_to}: {changed} module weights changed ({kind}, {len(args.models)} networks)")
+    print(f"saved {args.save_to}: {changed} module weights changed ({models.kind}, {len(args.models)} networks)")
 
 
 if __name__ == "__main__":

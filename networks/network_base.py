@@ -16,7 +16,7 @@ wrapped module's forward through the adapter), ``restore()`` (undo it) and param
 * ``max_norm_weights() -> (up, down)``: the factors of ``delta W = up @ down * alpha / rank``
   (any shapes whose first dimensions are out and rank); absent: ``--scale_weight_norms`` is refused.
 * ``merged_parameters(multiplier) -> {"weight": W', ...}``: the wrapped module's parameters
-  with the adapter merged in (float32), for ``networks/merge_lora.py`` and ``--base_weights``.
+  with the adapter merged in (in ``merge_dtype``), for ``networks/merge_lora.py`` and ``--base_weights``.
 * ``lr_block`` / ``lr_weight`` / ``lr_override`` (attributes, default None / 1 / None): the
   module's learning rate is ``lr_override`` or its part's lr times ``lr_weight``; modules of a
   part with equal (block, weight, override) share an optimizer group (kohya's block-wise
@@ -31,19 +31,21 @@ keep the ``text_model.`` level that transformers 5 dropped.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from library import atomic_files, fp8_base
+from library import atomic_files, checkpoint_files, fp8_base
 from library.config_file import boolean_word, key_value_items
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
 UNET_CONV_TARGET_MODULES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -177,6 +179,13 @@ def conv_or_linear(org_module: torch.nn.Module, weight: torch.Tensor, x: torch.T
     return torch.nn.functional.linear(x, weight)
 
 
+def merge_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a merge into weights of ``weight_dtype`` is computed in: float32, or float64 for float64
+    weights. fp16/bf16/float8 weights are merged in float32 and cast back once; a float64 model keeps
+    its precision."""
+    return torch.float64 if weight_dtype == torch.float64 else torch.float32
+
+
 def module_dropout_skips(module_dropout: Optional[float], training: bool) -> bool:
     """kohya's module dropout: during training the whole adapter is skipped with this probability."""
     return bool(module_dropout) and training and bool(torch.rand(()) < module_dropout)
@@ -217,8 +226,9 @@ class WeightDeltaModule(AdapterModule):
         return org_out + conv_or_linear(self.org_module, delta, x) * factor
 
     def merged_parameters(self, multiplier: float) -> dict[str, torch.Tensor]:
-        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
-        return {"weight": weight + multiplier * self.delta_weight().float()}
+        dtype = merge_dtype(self.org_module.weight.dtype)
+        weight = fp8_base.frozen_weight(self.org_module, dtype)
+        return {"weight": weight + multiplier * self.delta_weight().to(dtype)}
 
 
 # --------------------------------------------------------------------------- the network
@@ -495,9 +505,18 @@ class AdapterNetwork(torch.nn.Module):
 
 # --------------------------------------------------------------------------- files
 def read_lora_file(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a network safetensors file; a missing or corrupt file is a UserError."""
+    """All tensors of a network file (safetensors, or a ``.ckpt``/``.pt`` state dict as kohya's
+    ``--save_model_as`` writes them); a missing or corrupt file is a UserError."""
     if not os.path.isfile(path):
         raise UserError(f"LoRA file {path} does not exist")
+    if not checkpoint_files.is_safetensors(path):
+        try:
+            weights = checkpoint_files.load_pickled_state_dict(Path(path))
+        except Exception as error:  # torch.load raises several types for damaged files
+            raise UserError(f"LoRA file {path} is not a readable torch state dict ({first_line(error)})") from None
+        if not all(isinstance(value, torch.Tensor) for value in weights.values()):
+            raise UserError(f"LoRA file {path} holds other objects than tensors; not a LoRA state dict")
+        return dict(weights)
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             return {key: file.get_tensor(key) for key in file.keys()}
@@ -506,7 +525,9 @@ def read_lora_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_lora_metadata(path: str) -> dict[str, str]:
-    """The metadata map of a network safetensors file (empty when it has none)."""
+    """The metadata map of a network safetensors file (empty when it has none, and for ``.ckpt``/``.pt``)."""
+    if not checkpoint_files.is_safetensors(path):
+        return {}
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             return dict(file.metadata() or {})
@@ -538,14 +559,22 @@ def canonical_safetensors_bytes(state: Mapping[str, torch.Tensor], metadata: Map
 
 
 def save_lora_file(state: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
-    """Write a network safetensors file atomically (``library.atomic_files``).
+    """Write a network file atomically (``library.atomic_files``): safetensors, or for a ``.ckpt``/``.pt``
+    path (kohya's ``--save_model_as``) ``torch.save`` of the state dict without the metadata, as kohya
+    writes them.
 
     Refuses non-finite weights so that a diverged run never replaces a good file.
     """
     bad_module = find_non_finite(state)
     if bad_module is not None:
         raise FloatingPointError(f"not saving {path}: LoRA module {bad_module} holds NaN/Inf")
-    atomic_files.write_file(path, canonical_safetensors_bytes(state, metadata))
+    if checkpoint_files.is_safetensors(path):
+        data = canonical_safetensors_bytes(state, metadata)
+    else:
+        buffer = io.BytesIO()
+        torch.save(dict(state), buffer)
+        data = buffer.getvalue()
+    atomic_files.write_file(path, data)
 
 
 def group_by_module(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

@@ -46,19 +46,20 @@ class OFTModule(AdapterModule):
         self.oft_blocks = torch.nn.Parameter(torch.zeros(dim, self.block_size, self.block_size))
 
     def rotation(self, multiplier: float) -> torch.Tensor:
-        """The per-block rotations (dim, n, n) in float32, interpolated with I by ``multiplier``."""
-        blocks = self.oft_blocks.float()
+        """The per-block rotations (dim, n, n) in float32 (float64 on a float64 layer), interpolated
+        with I by ``multiplier``."""
+        blocks = self.oft_blocks.to(network_base.merge_dtype(self.org_module.weight.dtype))
         skew = blocks - blocks.transpose(1, 2)
         norm = torch.linalg.vector_norm(skew)
         skew = skew * ((norm.clamp(max=self.constraint) + 1e-8) / (norm + 1e-8))
-        identity = torch.eye(self.block_size, device=skew.device).expand_as(skew)
+        identity = torch.eye(self.block_size, device=skew.device, dtype=skew.dtype).expand_as(skew)
         rotation = (identity + skew) @ torch.linalg.inv(identity - skew)
         return multiplier * (rotation - identity) + identity
 
     def rotated_weight(self, multiplier: float) -> torch.Tensor:
-        """W with block k replaced by ``R_k^T W_k`` (float32, W's shape; autocast off: the inverse
-        and the rotation need float32 even in fp16/bf16 training)."""
-        weight = fp8_base.frozen_weight(self.org_module, torch.float32)
+        """W with block k replaced by ``R_k^T W_k`` (float32, or float64 on a float64 layer; W's shape;
+        autocast off: the inverse and the rotation need float32 even in fp16/bf16 training)."""
+        weight = fp8_base.frozen_weight(self.org_module, network_base.merge_dtype(self.org_module.weight.dtype))
         with torch.autocast(weight.device.type, enabled=False):
             blocks = weight.reshape(self.lora_dim, self.block_size, -1)
             rotated = torch.einsum("knm,knp->kmp", self.rotation(multiplier), blocks)

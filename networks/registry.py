@@ -12,6 +12,9 @@ A network type is a Python module with (kohya's entry points, ``network_args`` b
   unet_module_names=None, **network_args) -> AdapterNetwork``: a network shaped like the state
   dict ``weights`` (``--dim_from_weights``, merging); the caller loads ``weights`` into it.
 
+Optionally ``check_float8_base(network_args, flag) -> None``: UserError when the type cannot compute
+with frozen weights stored in float8 (``flag``: ``--fp8_base`` or ``--fp8_base_unet``); absent: it can.
+
 and ``KNOWN_NETWORK_ARGS`` (tuple): the network_args it accepts (the tools pass a file's
 ``ss_network_args`` restricted to them, e.g. LoKr's ``factor``, when rebuilding its network).
 
@@ -48,9 +51,14 @@ def network_type(name: str) -> ModuleType:
     return importlib.import_module(NETWORK_MODULES[name])
 
 
-def validate(name: str, network_args: Mapping[str, str]) -> None:
-    """Refuse an unknown ``--network_module`` or ``--network_args`` it does not accept (before loading models)."""
-    network_type(name).validate_network_args(network_args)
+def validate(name: str, network_args: Mapping[str, str], float8_flag: Optional[str] = None) -> None:
+    """Refuse an unknown ``--network_module``, ``--network_args`` it does not accept, or float8 base
+    weights (``float8_flag``: the flag given, or None) it cannot compute with (before loading models)."""
+    type_module = network_type(name)
+    type_module.validate_network_args(network_args)
+    check_float8_base = getattr(type_module, "check_float8_base", None)
+    if float8_flag is not None and check_float8_base is not None:
+        check_float8_base(network_args, float8_flag)
 
 
 # Files of these types hold only lora_down / lora_up / alpha tensors (LoRA, LoCon, DyLoRA, LoRA-FA):

@@ -74,25 +74,38 @@ def choose_rank(singular_values: torch.Tensor, max_rank: int, method: Optional[s
     return max(1, min(rank, max_rank, available))
 
 
-def resize_module(parts: Mapping[str, torch.Tensor], max_rank: int, method: Optional[str], param: Optional[float]
-                  ) -> tuple[dict[str, torch.Tensor], float]:
-    """``({"down", "up", "alpha"}, fro_retained)`` of the resized module (float32)."""
-    down = parts["down"]
-    delta = lora_delta(parts, torch.float64)
-    matrix = delta.reshape(delta.shape[0], -1)
+def low_rank_module(delta: torch.Tensor, max_rank: int, method: Optional[str], param: Optional[float],
+                    scale: float = 1.0, alpha: Optional[float] = None) -> tuple[dict[str, torch.Tensor], float, float]:
+    """The best LoRA module of at most ``max_rank`` (rank chosen as :func:`choose_rank`) for a weight change
+    ``delta`` in its weight's shape (Linear ``(out, in)``, Conv2d ``(out, in, kh, kw)``): ``({"down", "up",
+    "alpha"}, fro_retained, relative_error)``, float32 factors with ``sqrt(S / scale)`` on each side and
+    ``alpha = scale * rank`` (or ``alpha`` given, then ``scale = alpha / rank``); ``relative_error = ||delta -
+    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values."""
+    matrix = delta.double().reshape(delta.shape[0], -1)
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
     rank = choose_rank(s, max_rank, method, param)
-    total = float(s.pow(2).sum())
-    fro_retained = math.sqrt(float(s[:rank].pow(2).sum()) / total) if total > 0 else 1.0
-    scale = module_scale(parts)  # kept: the new alpha is scale * new rank
+    if alpha is not None:
+        scale = alpha / rank
+    squared = s.pow(2)
+    total = float(squared.sum())
+    fro_retained = math.sqrt(float(squared[:rank].sum()) / total) if total > 0 else 1.0
+    relative_error = math.sqrt(float(squared[rank:].sum()) / total) if total > 0 else 0.0
     root = torch.sqrt(s[:rank] / scale)
-    new_up = u[:, :rank] * root
-    new_down = root[:, None] * vh[:rank]
-    if down.dim() == 4:
-        new_down = new_down.reshape(rank, *down.shape[1:])
-        new_up = new_up.reshape(*new_up.shape, 1, 1)
-    resized = {"down": new_down.float().contiguous(), "up": new_up.float().contiguous(),
-               "alpha": torch.tensor(scale * rank, dtype=torch.float32)}
+    up = u[:, :rank] * root
+    down = root[:, None] * vh[:rank]
+    if delta.dim() == 4:
+        down = down.reshape(rank, *delta.shape[1:])
+        up = up.reshape(*up.shape, 1, 1)
+    parts = {"down": down.float().contiguous(), "up": up.float().contiguous(),
+             "alpha": torch.tensor(scale * rank, dtype=torch.float32)}
+    return parts, fro_retained, relative_error
+
+
+def resize_module(parts: Mapping[str, torch.Tensor], max_rank: int, method: Optional[str], param: Optional[float]
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """``({"down", "up", "alpha"}, fro_retained)`` of the resized module (float32; the scale alpha/rank is kept)."""
+    resized, fro_retained, _ = low_rank_module(lora_delta(parts, torch.float64), max_rank, method, param,
+                                               module_scale(parts))
     return resized, fro_retained
 
 
@@ -144,11 +157,18 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(args: argparse.Namespace) -> None:
-    for flag in ("new_rank", "new_conv_rank"):
+def validate_ranks_and_output(args: argparse.Namespace, *rank_flags: str) -> None:
+    """The rank options (dests) are >= 1 when given, and ``--save_to`` names a .safetensors file."""
+    for flag in rank_flags:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag} must be a rank >= 1 (got {value})")
+    if not args.save_to.endswith(".safetensors"):
+        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
+
+
+def validate(args: argparse.Namespace) -> None:
+    validate_ranks_and_output(args, "new_rank", "new_conv_rank")
     if args.dynamic_method is not None:
         param = args.dynamic_param
         if param is None:
@@ -159,8 +179,6 @@ def validate(args: argparse.Namespace) -> None:
             raise UserError(f"--dynamic_param {param}: {args.dynamic_method} needs a fraction in (0, 1] (e.g. 0.9)")
     elif args.dynamic_param is not None:
         raise UserError("--dynamic_param has no effect without --dynamic_method")
-    if not args.save_to.endswith(".safetensors"):
-        raise UserError(f"--save_to {args.save_to}: only .safetensors is written")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -164,15 +164,37 @@ def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_trai
 
 
 def model_outputs(models, seed: int = 0) -> list[torch.Tensor]:
-    """Every text encoder's hidden states and one UNet prediction, for fixed inputs."""
+    """Every text encoder's hidden states and one UNet prediction, for fixed inputs (drawn in float32,
+    given in the UNet's dtype)."""
     generator = torch.Generator().manual_seed(seed)
+    dtype = models.unet.dtype
     ids = torch.randint(0, 500, (2, 6), generator=generator)
     results = [encoder(ids).last_hidden_state for encoder in models.text_encoders]
-    context = torch.randn(2, 6, models.unet.config.cross_attention_dim, generator=generator)
-    latents = torch.randn(2, 4, 8, 8, generator=generator)
+    context = torch.randn(2, 6, models.unet.config.cross_attention_dim, generator=generator).to(dtype)
+    latents = torch.randn(2, 4, 8, 8, generator=generator).to(dtype)
     extra = {}
     if models.is_sdxl:
-        extra["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 64, generator=generator),
-                                      "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)}
+        extra["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 64, generator=generator).to(dtype),
+                                      "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2, dtype=dtype)}
     results.append(models.unet(latents, torch.tensor([10, 500]), context, **extra).sample)
     return results
+
+
+def merge_rounding_bound(dtype: torch.dtype) -> float:
+    """Largest difference, relative to the network's effect, between a network merged into the weights
+    and the same network applied as a separate output, computed in ``dtype``: sqrt(eps).
+
+    The two are the same function and differ by rounding only, which the tiny random UNets amplify
+    up to ~1e5 x eps (float32: 9e-4 of a 1.3 effect on AMD EPYC, 4e-3 on Intel Xeon, for sd15
+    lora_fa; float64: 2e-11). So comparisons run in float64, where sqrt(eps) = 1.5e-8 leaves a
+    factor of ~1e3 over that on any CPU, while a merge error (a wrong scale, a missed or misplaced
+    module) is a relative error of the effect itself.
+    """
+    return torch.finfo(dtype).eps ** 0.5
+
+
+def cast_models(models, dtype: torch.dtype):
+    """``models`` with the UNet and text encoders in ``dtype`` (in place; float64: rounding-free comparisons)."""
+    for model in [models.unet, *models.text_encoders]:
+        model.to(dtype)
+    return models

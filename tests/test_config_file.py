@@ -152,7 +152,7 @@ grad_guard = false
     "line, key, hint",
     [
         ('learning_rate = "fast"', "learning_rate", "not a number"),
-        ("learning_rate = -1e-4", "learning_rate", "positive"),
+        ("learning_rate = -1e-4", "learning_rate", ">= 0"),
         ("network_dim = 1.5", "network_dim", "int"),
         ("max_token_length = 100", "max_token_length", "150"),
         ('lr_scheduler = "Cosine"', "lr_scheduler", "cosine_with_restarts"),
@@ -182,7 +182,7 @@ def test_invalid_toml_and_missing_file(tmp_path):
 
 def test_command_line_errors_still_exit_through_argparse(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
-        config_file.parse_args(make_parser(), ["--learning_rate", "0"])
+        config_file.parse_args(make_parser(), ["--learning_rate", "-1"])
     assert caught.value.code == 2
     assert "--learning_rate" in capsys.readouterr().err
 

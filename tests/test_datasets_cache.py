@@ -84,10 +84,64 @@ def test_disk_cache_is_reused_and_rebuilt_when_stale(sdxl, tmp_path, capsys):
     bigger, meta = cache("--resolution", "128", "--max_bucket_reso", "256")  # the bucket changed
     assert bigger.shape == (4, 16, 16) and meta["bucket"] == [128, 128]
 
-    np.savez(path, latents=np.zeros((4, 16, 16), np.float32), original_size=np.array([64, 64]),
-             crop_ltrb=np.array([0, 0, 128, 128]))  # a kohya-written file: no metadata, never trusted
+    # a kohya-written file (no metadata) for another bucket: rebuilt
+    np.savez(path, latents=np.zeros((4, 8, 8), np.float32), original_size=np.array([64, 64]),
+             crop_ltrb=np.array([0.0, 0.0, 64.0, 64.0]))
     rebuilt, meta = cache("--resolution", "128", "--max_bucket_reso", "256")
     assert np.allclose(rebuilt, bigger) and meta["format"] == latents.CACHE_FORMAT
+
+
+def kohya_get_crop_ltrb(bucket_wh, image_wh):
+    """kohya's BucketManager.get_crop_ltrb, written out (floats, its own convention)."""
+    bucket_ar, image_ar = bucket_wh[0] / bucket_wh[1], image_wh[0] / image_wh[1]
+    width, height = (bucket_wh[1] * image_ar, bucket_wh[1]) if bucket_ar > image_ar else (bucket_wh[0],
+                                                                                        bucket_wh[0] / image_ar)
+    left, top = (bucket_wh[0] - width) // 2, (bucket_wh[1] - height) // 2
+    return [left, top, left + width, top + height]
+
+
+def test_kohyas_latent_cache_files_are_reused_and_ours_are_kohyas(sdxl, tmp_path, capsys):
+    """kohya's --cache_latents_to_disk format (learned from files its trainer wrote): one VAE sample as
+    ``latents`` (unscaled), ``original_size`` (W, H), ``crop_ltrb`` floats by its get_crop_ltrb,
+    ``latents_flipped`` with flip_aug; no metadata. Its own reader checks the keys only."""
+    args = image_folder(tmp_path, sizes=((64, 64), (96, 64), (64, 112))) + ["--flip_aug"]
+    dataset = dataset_from(*args)
+    latents.cache_latents(dataset.plan.images, sdxl.vae, to_disk=True, is_sdxl=True)
+    images = dataset.plan.images
+    for image in images:  # ours carry kohya's fields with kohya's values
+        with np.load(latents.npz_path(image, True)) as npz:
+            assert npz["crop_ltrb"].tolist() == kohya_get_crop_ltrb(image.bucket_wh, image.size_wh)
+            assert npz["original_size"].tolist() == list(image.size_wh)
+            assert npz["latents"].shape == (4, image.bucket_wh[1] // 8, image.bucket_wh[0] // 8)
+    assert any(value % 1 for image in images for value in kohya_get_crop_ltrb(image.bucket_wh, image.size_wh))
+
+    generator = np.random.default_rng(0)
+    samples = {}
+    for image in images[:2]:  # kohya's files for two images, made for this run's buckets
+        width, height = image.bucket_wh
+        samples[image.path] = generator.standard_normal((4, height // 8, width // 8)).astype(np.float32)
+        np.savez(latents.npz_path(image, True), latents=samples[image.path], latents_flipped=-samples[image.path],
+                 original_size=np.array(image.size_wh),
+                 crop_ltrb=np.array(kohya_get_crop_ltrb(image.bucket_wh, image.size_wh)))
+    capsys.readouterr()
+    dataset = dataset_from(*args)
+    dataset.latent_store = latents.cache_latents(dataset.plan.images, sdxl.vae, to_disk=True, is_sdxl=True)
+    assert "reused 2 latent cache files written by kohya-ss" in capsys.readouterr().out
+    scale = float(sdxl.vae.config.scaling_factor)
+    checked = set()
+    for epoch in (1, 2):  # kohya's fixed sample (its flipped one for flipped draws) at every epoch
+        dataset.set_epoch(epoch)
+        for index in range(len(dataset)):
+            item = dataset[index]
+            path = dataset.image_of(int(item["sample_indices"][0])).path
+            if path in samples:
+                flipped = bool(item["flipped"][0])
+                expected = torch.from_numpy(samples[path]) * scale * (-1 if flipped else 1)
+                torch.testing.assert_close(latents.sample_cached_latents(item, 3, epoch)[0], expected)
+                checked.add((path, epoch))
+    assert len(checked) == 4
+    with np.load(latents.npz_path(images[0], True)) as npz:
+        assert "cache_meta" not in npz.files  # kohya's file is used as it is, never rewritten
 
 
 def test_one_image_at_two_buckets_keeps_both_entries(sdxl, tmp_path):

@@ -40,9 +40,9 @@ class RecordingTrainer(sdxl_train_network.SdxlNetworkTrainer):
 
     calls: list[tuple[int, float]] = []
 
-    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params, loss) -> None:
         RecordingTrainer.calls.append((lr_scheduler.last_epoch, scaler.get_scale() if scaler else 1.0))
-        super().optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+        super().optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params, loss)
 
 
 def run_recording(argv: list[str]) -> list[tuple[int, float]]:
@@ -212,10 +212,10 @@ def test_gradient_log_survives_sigterm(tiny_models, demo_dataset, tmp_path):
 class FailingTrainer(sdxl_train_network.SdxlNetworkTrainer):
     """Raises inside the fifth optimizer step, like a crash in the middle of training."""
 
-    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params) -> None:
+    def optimizer_step(self, args, optimizer, lr_scheduler, scaler, trainable_params, loss) -> None:
         if lr_scheduler.last_epoch == 4:
             raise RuntimeError("boom")
-        super().optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params)
+        super().optimizer_step(args, optimizer, lr_scheduler, scaler, trainable_params, loss)
 
 
 def test_gradient_log_rows_survive_an_exception(tiny_models, demo_dataset, tmp_path):

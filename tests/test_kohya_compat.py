@@ -97,6 +97,26 @@ def test_unsupported_option_is_refused_by_name(dest, tiny_models, demo_dataset, 
     assert not output_dir.exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("suffix", ["ckpt", "pt"])
+def test_save_model_as_ckpt_and_pt_write_kohyas_torch_files(suffix, tiny_models, demo_dataset, tmp_path):
+    """kohya writes torch.save(state_dict) without metadata for these, and reads them back with torch.load."""
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, output_dir, "--max_train_steps", "3", "--save_model_as", suffix,
+        "--save_every_n_steps", "1", "--save_last_n_steps", "1"))
+    # kohya's rotation (saving step 3 removes step 1) with these names
+    assert sorted(path.name for path in output_dir.glob("last*")) == [
+        f"last-step00000002.{suffix}", f"last-step00000003.{suffix}", f"last.{suffix}"]
+    weights = torch.load(output_dir / f"last.{suffix}", weights_only=True)
+    assert isinstance(weights, dict) and all(key.startswith("lora_unet_") for key in weights)
+    assert weights.keys() == lora.read_lora_file(str(output_dir / f"last.{suffix}")).keys()
+    # continues from it like from a safetensors file
+    run_trainer("sdxl_train_network", args_for(
+        tiny_models, demo_dataset, tmp_path / "again", "--max_train_steps", "1",
+        "--network_weights", str(output_dir / f"last.{suffix}")))
+    assert (tmp_path / "again" / "last.safetensors").is_file()
+
+
 def test_gui_toml_with_default_values_of_unsupported_options_is_accepted(tmp_path):
     import train_network
 
@@ -104,8 +124,43 @@ def test_gui_toml_with_default_values_of_unsupported_options_is_accepted(tmp_pat
     config.write_text('deepspeed = false\nfp8_base = false\nhuggingface_repo_id = ""\ntoken_warmup_step = 0\n'
                       'torch_compile = false\nxformers = true\ncaption_extention = ".txt"\n')
     args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
-    compatibility.refuse_unsupported(args)  # nothing asked for is unsupported
-    assert args.xformers is True
+    lines = []
+    compatibility.check_arguments(args, sdxl=True, announce=lines.append)  # nothing asked for is unsupported
+    assert args.xformers is True and lines == []
+
+
+def test_clip_skip_on_sdxl_is_ignored_with_kohyas_warning():
+    import train_network
+
+    for argv, sdxl, expected in ((["--clip_skip", "2"], True, ["--clip_skip 2: SDXL uses fixed text encoder layers, "
+                                                               "it has no effect (kohya ignores it too, with a "
+                                                               "warning)"]),
+                                 (["--clip_skip", "1"], True, []),  # the GUI's default: no skip, nothing to say
+                                 (["--clip_skip", "2"], False, [])):
+        args = train_network.setup_parser().parse_args(argv)
+        lines = []
+        compatibility.check_arguments(args, sdxl=sdxl, announce=lines.append)
+        assert lines == expected
+
+
+def test_cpu_offload_checkpointing_trains_the_same(tiny_models, demo_dataset, tmp_path, capsys):
+    """The offload hooks are real on CPU too (every tensor saved for backward goes through them), and change
+    no bit of the result; on CUDA the same hooks keep those tensors in pinned host memory."""
+    files = {}
+    for name, extra in (("plain", []), ("offload", ["--cpu_offload_checkpointing"])):
+        run_trainer("sdxl_train_network", args_for(tiny_models, demo_dataset, tmp_path / name, "--max_train_steps", "2",
+                                                   "--gradient_checkpointing", "--learning_rate", "1e-2", *extra))
+        files[name] = lora.read_lora_file(str(tmp_path / name / "last.safetensors"))
+    assert all(torch.equal(files["plain"][key], files["offload"][key]) for key in files["plain"])
+    assert "--cpu_offload_checkpointing: training on the CPU" in capsys.readouterr().out
+    import train_network
+
+    args = train_network.setup_parser().parse_args(["--cpu_offload_checkpointing", "--gradient_checkpointing"])
+    assert isinstance(compatibility.offloaded_activations(args, torch.device("cuda")),
+                      torch.autograd.graph.save_on_cpu)
+    args.gradient_checkpointing = False  # kohya ignores it without checkpointing
+    assert not isinstance(compatibility.offloaded_activations(args, torch.device("cuda")),
+                          torch.autograd.graph.save_on_cpu)
 
 
 def test_save_n_epoch_ratio_sets_the_epoch_interval(tiny_models, demo_dataset, tmp_path):
@@ -284,8 +339,9 @@ def test_loraplus_multiplies_the_lora_up_learning_rate(tiny_models, demo_dataset
 
 def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_dataset, tmp_path, capsys):
     output_dir = tmp_path / "out"
-    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--text_encoder_lr", "0",
-                    "--learning_rate", "1e-2")
+    # kohya's --learning_rate 0: only the parts given their own rate train (here the UNet)
+    argv = args_for(tiny_models, demo_dataset, output_dir, "--max_train_steps", "2", "--unet_lr", "1e-2",
+                    "--learning_rate", "0")
     argv.remove("--network_train_unet_only")
     run_trainer("sdxl_train_network", argv)
     weights = lora.read_lora_file(str(output_dir / "last.safetensors"))
@@ -295,13 +351,12 @@ def test_a_zero_learning_rate_leaves_that_part_untrained(tiny_models, demo_datas
     assert any(value.abs().max() > 0 for value in unet_ups)
     # the optimizer's groups depend on the untrained parts: a resume must keep them
     run_trainer("sdxl_train_network", argv + ["--save_state_on_train_end"])
-    changed = argv + ["--resume", "auto"]
-    changed[changed.index("--text_encoder_lr") + 1] = "1e-4"
-    error = train_expecting_user_error(changed, capsys)
+    error = train_expecting_user_error(argv + ["--resume", "auto", "--text_encoder_lr", "1e-4"], capsys)
     assert "untrained_parts=['text_encoders']" in error
-    error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", "--unet_lr", "0"), capsys)
-    assert "nothing would train" in error
+    for zero in (["--unet_lr", "0"], ["--learning_rate", "0"]):
+        error = train_expecting_user_error(args_for(
+            tiny_models, demo_dataset, tmp_path / "none", "--max_train_steps", "1", *zero), capsys)
+        assert "nothing would train" in error
     error = train_expecting_user_error(args_for(
         tiny_models, demo_dataset, tmp_path / "blocks", "--network_args", "down_lr_weight=sinus"), capsys)
     assert "--network_args down_lr_weight=sinus: give comma-separated numbers or one of cosine" in error
@@ -331,17 +386,6 @@ def test_metadata_names_and_hashes_the_base_model(tiny_models, demo_dataset, tmp
     assert metadata["ss_new_sd_model_hash"] == hashlib.sha256(data).hexdigest()
     assert metadata["ss_sd_model_hash"] == hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
     assert "ss_vae_name" not in metadata  # no --vae
-
-
-def test_resuming_a_kohya_state_folder_says_how_to_continue(tiny_models, demo_dataset, tmp_path, capsys):
-    kohya_state = tmp_path / "out" / "last-step00000040-state"  # kohya's name and files for its states
-    kohya_state.mkdir(parents=True)
-    (kohya_state / "train_state.json").write_text('{"current_epoch": 2, "current_step": 40}')
-    (kohya_state / "model.safetensors").write_bytes(b"")
-    error = train_expecting_user_error(args_for(
-        tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "50", "--resume", str(kohya_state)), capsys)
-    assert "a kohya-ss (accelerate) state folder" in error
-    assert error.endswith(f"--network_weights {kohya_state / 'model.safetensors'} --initial_step 40")
 
 
 def test_base_weights_invalidate_a_text_encoder_cache_on_disk(tiny_models, demo_dataset, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -136,35 +137,38 @@ def test_timestep_weightings_match_kohya(weighting: dict):
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS, ids=lambda w: ",".join(w) or "none")
 @pytest.mark.parametrize("loss_type", ["l2", "huber"])
-def test_batch_loss_is_kohyas_without_masks_and_with_masks_in_micro_mode(weighting: dict, loss_type: str):
+def test_batch_loss_is_kohyas_with_and_without_masks(weighting: dict, loss_type: str):
     generator = torch.Generator().manual_seed(1)
     prediction, target = torch.randn(4, 4, 2, 3, generator=generator), torch.randn(4, 4, 2, 3, generator=generator)
     timesteps, weights = torch.tensor([3, 400, 800, 999]), torch.tensor([1.0, 0.5, 2.0, 1.0])
     pixel_masks = torch.rand(4, 16, 24, generator=generator)
-    for normalization in losses.NORMALIZATIONS:  # without masks, exact and micro are both kohya's number
+    for normalization in losses.NORMALIZATIONS:  # exact (masks over the whole image, the default) and micro
         options = LossOptions(loss_type=loss_type, loss_normalization=normalization, **weighting)
-        expected = kohya_batch_loss(prediction, target, options, PLAIN, timesteps, weights)
-        actual = ours(prediction, target, options, PLAIN, timesteps, weights)
-        assert actual.item() == pytest.approx(expected.item(), rel=1e-5)
-    options = LossOptions(loss_type=loss_type, loss_normalization="micro", **weighting)
+        for masks in (None, pixel_masks):
+            expected = kohya_batch_loss(prediction, target, options, PLAIN, timesteps, weights, masks)
+            actual = ours(prediction, target, options, PLAIN, timesteps, weights, masks)
+            assert actual.item() == pytest.approx(expected.item(), rel=1e-5)
+    # the mask's area as denominator differs from kohya's whenever the masks are not all ones
+    options = LossOptions(loss_type=loss_type, masked_loss_normalization="mask", **weighting)
     expected = kohya_batch_loss(prediction, target, options, PLAIN, timesteps, weights, pixel_masks)
-    assert ours(prediction, target, options, PLAIN, timesteps, weights, pixel_masks).item() == pytest.approx(
-        expected.item(), rel=1e-5
-    )
+    actual = ours(prediction, target, options, PLAIN, timesteps, weights, pixel_masks)
+    assert actual.item() == pytest.approx(expected.item() / float(pixel_masks.mean()), rel=1e-5)
 
 
-def test_exact_mode_averages_over_the_unmasked_elements():
+def test_mask_normalisation_averages_over_the_unmasked_elements():
     prediction, target = torch.ones(2, 4, 2, 2), torch.zeros(2, 4, 2, 2)
     target[0, :, 0, 0] = 3.0  # error 4 where sample 0 counts, error 1 elsewhere
     masks = torch.zeros(2, 2, 2)
     masks[0, 0, 0] = 1.0
     masks[1] = 0.5
-    options = LossOptions()
-    batch = losses.batch_weights(options, PLAIN, torch.tensor([5, 5]), torch.tensor([1.0, 2.0]), (4, 2, 2),
-                                 masks.unsqueeze(1))
-    result = losses.batch_loss(prediction, target, batch, options)
-    assert result.weight_sum.item() == 4 * (1 + 4 * 0.5)
-    assert result.loss_sum.item() == pytest.approx(4 * 4.0 * 1 + 2.0 * 16 * 0.5 * 1.0)
+    loss_sum = 4 * 4.0 * 1 + 2.0 * 16 * 0.5 * 1.0
+    for normalization, weight_sum in (("mask", 4 * (1 + 4 * 0.5)), ("image", 2 * 4 * 2 * 2)):
+        options = LossOptions(masked_loss_normalization=normalization)
+        batch = losses.batch_weights(options, PLAIN, torch.tensor([5, 5]), torch.tensor([1.0, 2.0]), (4, 2, 2),
+                                     masks.unsqueeze(1))
+        result = losses.batch_loss(prediction, target, batch, options)
+        assert result.weight_sum.item() == weight_sum
+        assert result.loss_sum.item() == pytest.approx(loss_sum)
 
 
 def test_mask_to_latent_is_an_area_average():
@@ -261,7 +265,7 @@ def test_an_all_zero_mask_adds_nothing_to_either_sum():
     generator = torch.Generator().manual_seed(3)
     prediction, target = torch.randn(2, 4, 2, 2, generator=generator), torch.randn(2, 4, 2, 2, generator=generator)
     masks = torch.stack([torch.ones(1, 2, 2), torch.zeros(1, 2, 2)])
-    options = LossOptions(min_snr_gamma=5.0)
+    options = LossOptions(min_snr_gamma=5.0, masked_loss_normalization="mask")
     timesteps, weights = torch.tensor([10, 20]), torch.tensor([1.0, 3.0])
     both = losses.batch_loss(
         prediction, target, losses.batch_weights(options, PLAIN, timesteps, weights, (4, 2, 2), masks), options
@@ -275,7 +279,7 @@ def test_an_all_zero_mask_adds_nothing_to_either_sum():
 
 def test_a_window_without_weight_has_loss_zero_and_zero_gradient():
     prediction = torch.randn(2, 4, 2, 2, requires_grad=True)
-    options = LossOptions(loss_type="huber")
+    options = LossOptions(loss_type="huber", masked_loss_normalization="mask")
     batch = losses.batch_weights(options, ZERO_TERMINAL, torch.tensor([0, 999]), torch.ones(2), (4, 2, 2),
                                  torch.zeros(2, 1, 2, 2))
     result = losses.batch_loss(prediction, torch.randn(2, 4, 2, 2), batch, options)
@@ -290,7 +294,7 @@ def test_a_window_without_weight_has_loss_zero_and_zero_gradient():
 @pytest.mark.parametrize("tiny", [1e-30, 1e-40])
 def test_near_zero_mask_values_count_as_zero(tiny: float):
     """Otherwise 1/weight_sum overflows (1e-40 is subnormal) and the gradient is inf."""
-    options = LossOptions()
+    options = LossOptions(masked_loss_normalization="mask")
     mask = torch.full((1, 1, 2, 2), tiny)
     batch = losses.batch_weights(options, PLAIN, torch.tensor([3]), torch.ones(1), (4, 2, 2), mask)
     assert batch.weight_sum.item() == 0.0 and torch.equal(batch.mask, torch.zeros_like(mask))
@@ -400,7 +404,8 @@ def accumulated_gradients(splits: list[list[list[int]]], options: LossOptions, m
     return torch.stack([torch.cat([p.grad.flatten() for p in model.parameters()]) for model in models]).mean(0)
 
 
-EXACT = LossOptions(loss_type="huber", huber_c=0.3, min_snr_gamma=5.0, v_parameterization=True)
+EXACT = LossOptions(loss_type="huber", huber_c=0.3, min_snr_gamma=5.0, v_parameterization=True,
+                    masked_loss_normalization="mask")  # the split-dependent denominator: the harder case
 MICRO = LossOptions(loss_type="huber", huber_c=0.3, min_snr_gamma=5.0, v_parameterization=True,
                     loss_normalization="micro")
 SPLITS = {
@@ -434,6 +439,10 @@ def test_micro_equals_exact_without_masks_for_full_equal_windows():
     exact = accumulated_gradients(SPLITS["batch2_acc2"], EXACT, masked=False)
     micro = accumulated_gradients(SPLITS["batch2_acc2"], MICRO, masked=False)
     torch.testing.assert_close(micro, exact, rtol=1e-6, atol=0)
+    # kohya's whole-image rule (the default) makes masks no exception
+    exact_image = accumulated_gradients(SPLITS["batch2_acc2"], replace(EXACT, masked_loss_normalization="image"))
+    micro = accumulated_gradients(SPLITS["batch2_acc2"], MICRO)
+    torch.testing.assert_close(micro, exact_image, rtol=1e-6, atol=1e-7 * micro.abs().max().item())
 
 
 def test_micro_objective_is_kohyas_loss():
@@ -468,6 +477,7 @@ def test_defaults_are_kohyas():
     args = parse()
     assert (args.loss_type, args.huber_c, args.huber_scale, args.huber_schedule) == ("l2", 0.1, 1.0, "snr")
     assert args.loss_normalization == "exact" and args.min_snr_gamma is None and not args.masked_loss
+    assert args.masked_loss_normalization == "image"
     losses.validate_arguments(args)
     assert LossOptions.from_args(args) == LossOptions()
 
@@ -480,11 +490,18 @@ def test_defaults_are_kohyas():
         (["--min_snr_gamma", "-5"], "--min_snr_gamma"),
         (["--v_pred_like_loss", "-0.1"], "--v_pred_like_loss"),
         (["--masked_loss"], "--masked_loss"),
+        (["--scale_v_pred_loss_like_noise_pred"], "--scale_v_pred_loss_like_noise_pred.*needs --v_parameterization"),
+        (["--v_pred_like_loss", "0.1", "--v_parameterization"], "--v_pred_like_loss.*--v_parameterization"),
     ],
 )
 def test_bad_values_raise_user_errors_naming_the_flag(argv: list[str], flag: str):
     with pytest.raises(UserError, match=flag):
         losses.validate_arguments(parse(*argv))
+
+
+def test_v_prediction_weightings_with_their_own_kind_are_valid():
+    losses.validate_arguments(parse("--scale_v_pred_loss_like_noise_pred", "--v_parameterization"))
+    losses.validate_arguments(parse("--v_pred_like_loss", "0.1"))
 
 
 def test_masked_loss_with_a_mask_source_is_valid():

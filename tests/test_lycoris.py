@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (TRAIN_SCRIPTS, model_args, model_outputs, run_trainer, train_expecting_user_error,
-                      trainings_run_once)
+from conftest import (TRAIN_SCRIPTS, cast_models, merge_rounding_bound, model_args, model_outputs, run_trainer,
+                      train_expecting_user_error, trainings_run_once)
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
@@ -265,12 +265,20 @@ def random_network_file(models, variant: str, path: Path, multiplier: float = 1.
     return network
 
 
+# lycoris computes OFT rotations in float32 only (diag_oft.py: `.float().inverse()`): these are compared in
+# float32 (measured: 3e-6 of the effect, sqrt(eps32) = 3.5e-4).
+FLOAT32_ONLY = ("diag-oft", "boft")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", ["sdxl", "sd15"])
 def test_file_reproduces_the_network_and_merging_reproduces_the_file(variant, kind, tmp_path):
     models = build_models(kind)
     path = tmp_path / "net.safetensors"
     network = random_network_file(models, variant, path, multiplier=0.7)
+    dtype = torch.float32 if variant in FLOAT32_ONLY else torch.float64
+    cast_models(models, dtype)
+    network.to(dtype)  # the file's float32 values, exactly
     with torch.no_grad():
         base = model_outputs(models)
         network.apply_to()
@@ -278,7 +286,7 @@ def test_file_reproduces_the_network_and_merging_reproduces_the_file(variant, ki
         network.restore()
         from_file = registry.network_from_file(str(path), models.text_encoders, models.unet, unet_names(models),
                                                "--models", multiplier=0.7)
-        from_file.eval()
+        from_file.to(dtype).eval()
         from_file.apply_to()
         read_back = model_outputs(models)
         from_file.restore()
@@ -288,9 +296,8 @@ def test_file_reproduces_the_network_and_merging_reproduces_the_file(variant, ki
     if variant != "dylora":  # lycoris' DyLoRA draws a rank at every forward, even in eval
         assert largest_difference(read_back, applied) < 1e-6
     assert merged_count == len(network.all_loras())
-    # float32 rounding only: merging sums the change into the weight, the network adds a separate output
-    scale = max(float(output.abs().max()) for output in read_back)
-    assert largest_difference(merged, read_back) < 3e-4 * scale
+    effect = largest_difference(read_back, base)
+    assert largest_difference(merged, read_back) <= merge_rounding_bound(dtype) * effect
 
 
 class TransformersFourCLIP(torch.nn.Module):

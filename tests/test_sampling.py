@@ -107,6 +107,53 @@ def test_schedule_follows_kohya():
     assert not sampling.is_sample_point(args, "epoch", 0, 2)
 
 
+@pytest.mark.parametrize("zero", [0, -1])
+def test_every_n_zero_is_off_with_kohyas_line(tmp_path, zero):
+    path = tmp_path / "prompt.txt"
+    path.write_text("a cat")
+    args = argparse.Namespace(sample_prompts=str(path), sample_at_first=False, sample_every_n_steps=2,
+                              sample_every_n_epochs=zero, sample_sampler="ddim")
+    sampling.validate_arguments(args)
+    lines = []
+    sampling.drop_unused_prompt_file(args, announce=lines.append)
+    assert lines == [f"--sample_every_n_epochs {zero}: 0 or less, so sampling by it is off (as in kohya)"]
+    # kohya sets it to None: the step schedule applies again
+    assert [s for s in range(1, 5) if sampling.is_sample_point(args, "step", s)] == [2, 4]
+    assert not any(sampling.is_sample_point(args, "epoch", 0, e) for e in range(1, 5))
+    args.sample_every_n_steps = zero
+    assert not sampling.is_scheduled(args) and not sampling.is_sample_point(args, "step", 2)
+
+
+@pytest.fixture(scope="module", params=["sdxl", "sd15"])
+def in_memory_models(request):
+    from tools.build_tiny_models import tiny_sd, tiny_sdxl
+
+    return tiny_sdxl() if request.param == "sdxl" else tiny_sd("sd1")
+
+
+def test_sample_prompts_keep_a1111_weights(in_memory_models):
+    plain = sampling.prompt_embeddings(in_memory_models, sampling.SamplePrompt(0, "a red cat"))
+    weighted = sampling.prompt_embeddings(in_memory_models, sampling.SamplePrompt(0, "a (red:1.5) cat"))
+    # <BOS>, "a", then "red" (3 byte tokens here): the hidden states of those tokens are 1.5 times larger
+    torch.testing.assert_close(weighted["prompt_embeds"][0, 2:5], plain["prompt_embeds"][0, 2:5] * 1.5)
+    torch.testing.assert_close(weighted["prompt_embeds"][0, :2], plain["prompt_embeds"][0, :2])
+    torch.testing.assert_close(weighted["prompt_embeds"][0, 5:], plain["prompt_embeds"][0, 5:])
+    torch.testing.assert_close(weighted["negative_prompt_embeds"], plain["negative_prompt_embeds"])
+    if in_memory_models.is_sdxl:  # the pooled output is not weighted (kohya)
+        torch.testing.assert_close(weighted["pooled_prompt_embeds"], plain["pooled_prompt_embeds"])
+
+
+def test_long_sample_prompts_are_not_cut_at_77_tokens(in_memory_models, capsys):
+    head = "a photo of a cat " * 7  # 91 tokens with the tiny byte-level tokenizer (a letter each): two chunks
+    embeddings = [sampling.prompt_embeddings(in_memory_models, sampling.SamplePrompt(0, head + tail, "blurry"))
+                  for tail in ("sitting", "running")]
+    assert embeddings[0]["prompt_embeds"].shape[1] == 152  # <BOS> + 150 + <EOS>, as training's 150 tokens
+    assert embeddings[0]["negative_prompt_embeds"].shape == embeddings[0]["prompt_embeds"].shape
+    assert not torch.equal(embeddings[0]["prompt_embeds"], embeddings[1]["prompt_embeds"])  # the tail counts
+    sampling.prompt_embeddings(in_memory_models, sampling.SamplePrompt(3, "x" * 300))
+    assert "sample prompt 3: 300 tokens, the first 225 are used" in capsys.readouterr().out
+
+
 def test_a_prompt_file_broken_during_the_run_skips_that_point(tmp_path, capsys):
     from accelerate import PartialState
 

@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.checkpoint_files import save_single_file
 from library.clip_tokenizers import TOKENIZER_SOURCES, set_pad_token
-from library.model_loading import StableDiffusionModels, shipped_config_dir
+from library.model_loading import shipped_config_dir
+from library.models import StableDiffusionModels
 
 SEED = 1234
 VOCAB_SIZE = 514

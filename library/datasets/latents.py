@@ -12,9 +12,17 @@ the mean, ``original_size``, ``crop_ltrb``, ``latents_flipped``, ``alpha_mask``)
 kohya can read them, plus ``latents_std`` / ``latents_flipped_std`` and
 ``cache_meta``: what the pixels fed to the VAE depended on (image file size and
 mtime, bucket, resize, crop, alpha handling, interpolation) and a VAE fingerprint.
-A file whose metadata differs, or that lacks it (e.g. written by kohya), is stale:
-it is rebuilt, never used. When one image is used at several buckets in one run
-(kohya's multi-resolution datasets) each variant gets kohya's key suffix ``_<h>x<w>``.
+A file whose metadata differs is stale: it is rebuilt, never used. When one image is used at
+several buckets in one run (kohya's multi-resolution datasets) each variant gets kohya's key
+suffix ``_<h>x<w>``.
+
+A file written by kohya's ``--cache_latents_to_disk`` (no ``cache_meta``) is used when it fits the
+run as kohya's own check would take it and more: latents of this bucket's latent size, the image's
+``original_size`` and kohya's ``crop_ltrb`` for this bucket, flipped latents when ``flip_aug`` is on,
+an alpha mask when ``alpha_mask`` is. It holds one VAE *sample*, not the distribution: those images
+train on that fixed sample at every step, as in kohya (its ``std`` is taken as 0); delete the files
+for a fresh sample per step. One line says how many were reused. kohya records neither the image's
+date nor the VAE: a kohya file is trusted to come from this image and this model, as kohya trusts it.
 """
 from __future__ import annotations
 
@@ -78,8 +86,9 @@ def vae_fingerprint(vae) -> str:
     return digest.hexdigest()[:16]
 
 
-def kohya_crop_ltrb(bucket_wh: tuple[int, int], original_wh: tuple[int, int]) -> tuple[int, int, int, int]:
-    """kohya's ``crop_ltrb`` file field (its own convention), so kohya can read these caches."""
+def kohya_crop_ltrb(bucket_wh: tuple[int, int], original_wh: tuple[int, int]) -> tuple[float, ...]:
+    """kohya's ``crop_ltrb`` file field (``BucketManager.get_crop_ltrb``: its own convention, floats),
+    so kohya reads these caches and a kohya file is recognised as made for this bucket."""
     bucket_aspect = bucket_wh[0] / bucket_wh[1]
     image_aspect = original_wh[0] / original_wh[1]
     if bucket_aspect > image_aspect:
@@ -87,7 +96,7 @@ def kohya_crop_ltrb(bucket_wh: tuple[int, int], original_wh: tuple[int, int]) ->
     else:
         width, height = bucket_wh[0], bucket_wh[0] / image_aspect
     left, top = (bucket_wh[0] - width) // 2, (bucket_wh[1] - height) // 2
-    return int(left), int(top), int(left + width), int(top + height)
+    return float(left), float(top), float(left + width), float(top + height)
 
 
 class LatentStore:
@@ -109,6 +118,8 @@ class LatentStore:
             path, suffix = self.on_disk[image_index]
             entry = _read_entry(path, suffix, flipped)
         mean, std = (entry.mean_flipped, entry.std_flipped) if flipped else (entry.mean, entry.std)
+        if std is None:  # a kohya file: one fixed sample
+            std = torch.zeros_like(mean)
         mask = entry.alpha_mask
         if mask is not None and flipped:
             mask = torch.flip(mask, dims=[1])
@@ -175,6 +186,30 @@ def _is_fresh(path: str, suffix: str, expected: dict, needs_flip: bool) -> bool:
     if expected["alpha_mask"]:
         required.add("alpha_mask")
     return stored == expected and (flipped_stored or not needs_flip) and all(k + suffix in names for k in required)
+
+
+def _is_kohyas(path: str, suffix: str, image: PlannedImage, variant: LatentVariant, needs_flip: bool,
+               latent_channels: int) -> bool:
+    """Whether the npz holds a kohya-ss entry (no ``cache_meta``) made for this image at this bucket
+    (latent size, original size, crop), with the flipped latents and alpha mask the run needs."""
+    if not os.path.isfile(path):
+        return False
+    width, height = variant.bucket_wh
+    try:
+        with np.load(path) as npz:
+            names = set(npz.files)
+            if "cache_meta" + suffix in names or "latents" + suffix not in names:
+                return False
+            if needs_flip and "latents_flipped" + suffix not in names:
+                return False
+            if variant.alpha_mask and "alpha_mask" + suffix not in names:
+                return False
+            shape_ok = npz["latents" + suffix].shape == (latent_channels, height // 8, width // 8)
+            size_ok = npz["original_size" + suffix].tolist() == list(image.size_wh)
+            crop_ok = npz["crop_ltrb" + suffix].tolist() == list(kohya_crop_ltrb(variant.bucket_wh, image.size_wh))
+    except Exception:  # unreadable, truncated or missing fields: not usable
+        return False
+    return shape_ok and size_ok and crop_ok
 
 
 def _write_entry(path: str, suffix: str, image: PlannedImage, meta: dict, entry: CachedLatents) -> None:
@@ -253,7 +288,7 @@ def cache_latents(
         needs_flip_by_path[image.path] |= image.subset.flip_aug
     pending: list[tuple[PlannedImage, LatentVariant, str, str, dict]] = []
     seen: dict[tuple[str, LatentVariant], int] = {}
-    stale = 0
+    stale = from_kohya = 0
     for image in images:
         variant = variant_of(image)
         if (image.path, variant) in seen:  # the same pixels already planned: share the entry
@@ -262,12 +297,20 @@ def cache_latents(
         suffix = _variant_suffixes(variants[image.path])[variant]
         path = npz_path(image, is_sdxl)
         meta = _expected_meta(image, variant, vae_id)
-        if to_disk and _is_fresh(path, suffix, meta, needs_flip_by_path[image.path]):
+        needs_flip = needs_flip_by_path[image.path]
+        fresh = to_disk and _is_fresh(path, suffix, meta, needs_flip)
+        kohyas = to_disk and not fresh and _is_kohyas(path, suffix, image, variant, needs_flip,
+                                                      int(vae.config.latent_channels))
+        if fresh or kohyas:
+            from_kohya += kohyas
             store.on_disk[image.index] = (path, suffix)
             continue
         if to_disk and os.path.isfile(path):
             stale += 1
         pending.append((image, variant, path, suffix, meta))
+    if from_kohya:
+        print(f"reused {from_kohya} latent cache files written by kohya-ss (one fixed VAE sample each, as in kohya; "
+              f"delete them for a fresh sample per step)")
     if stale:
         print(f"rebuilding {stale} stale latent cache files (image, bucket or VAE changed)")
     if to_disk and not is_main_process:

@@ -1,0 +1,178 @@
+"""Continue a kohya-ss run: ``--resume <kohya state folder>``.
+
+kohya's state folders are accelerate's ``save_state`` output plus kohya's ``train_state.json``
+(learned from states written by kohya's own train_network.py, accelerate 1.6):
+
+* ``model.safetensors``: the network's state dict under the file's keys (``lora_unet_...lora_down.weight``;
+  DyLoRA joined like its files), float32;
+* ``optimizer.bin``: ``torch.save(optimizer.state_dict())``: kohya's parameter groups (text encoders,
+  then the UNet; LoRA+ and block learning rates add groups), parameters numbered in kohya's order;
+* ``scheduler.bin``: the LR schedule's ``state_dict()`` (absent for schedule-free optimizers);
+* ``scaler.pt``: torch's GradScaler state (fp16 on CUDA only);
+* ``random_states_0.pkl`` (Python, numpy, torch RNGs), ``sampler*.bin``;
+* ``train_state.json``: ``{"current_epoch": E, "current_step": S}``, S the optimizer steps done.
+
+What is restored: the network's weights, the optimizer state (kohya's parameter order mapped onto
+this trainer's), the LR schedule, the fp16 loss scale, and the step: as kohya does on resume, the run
+starts at step S at the beginning of the epoch holding it (with ``--skip_until_initial_step``, at its
+batch), and ``--initial_step`` wins over S. Not restored, said in one line: kohya's data order and
+random states (the data and noise here are keyed by seed, epoch and sample) and the gradient guard's
+history (kohya has none).
+
+Parameter order: kohya builds its network on its own UNet classes, which register a transformer
+block's feed-forward between its two attentions (diffusers: after them) and, for SDXL, number blocks
+in the original layout (a down block's resnet before its attention). Checked against kohya's
+optimizer states for LoRA, LoCon, LoRA-FA, DyLoRA and OFT on SD 1.x; SDXL follows the same rule,
+read from kohya's sdxl_original_unet.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file
+
+from library.errors import UserError, first_line
+
+MARKER = "train_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.bin"
+SCHEDULER_FILE = "scheduler.bin"
+SCALER_FILE = "scaler.pt"
+
+_SGM_BLOCK = re.compile(r"^lora_unet_(input_blocks|middle_block|output_blocks)_(?:(\d+)_)?(\d+)_")
+_SGM_SECTIONS = {"input_blocks": 0, "middle_block": 1, "output_blocks": 2}
+_TRANSFORMER_CHILD = re.compile(r"^(.*_transformer_blocks_\d+_)(attn1|ff|attn2)_")
+_KOHYA_CHILD_RANK = {"attn1": 0, "ff": 1, "attn2": 2}
+
+
+def is_kohya_state(path: Path) -> bool:
+    """Whether ``path`` is a kohya-ss state folder (not one of this trainer's, which have a manifest)."""
+    return (path / MARKER).is_file() and (path / MODEL_FILE).is_file() and not (path / "manifest.json").exists()
+
+
+def kohya_step(path: Path) -> int:
+    """The optimizer steps done when the kohya state was written (``current_step``)."""
+    try:
+        return int(json.loads((path / MARKER).read_text())["current_step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"--resume {path}: {MARKER} is unreadable ({first_line(error)})") from None
+
+
+def kohya_module_order(names: list[str]) -> list[str]:
+    """Module names (``lora_name``s, in this trainer's order) in the order kohya's network creates them.
+
+    A stable sort: SDXL UNet modules by their original-layout block (section, block, sub-block), then
+    inside a transformer block attn1, ff, attn2; everything else keeps its place.
+    """
+    first_seen: dict[str, int] = {}
+
+    def key(index_name: tuple[int, str]) -> tuple:
+        index, name = index_name
+        block = _SGM_BLOCK.match(name)
+        position = (_SGM_SECTIONS[block.group(1)], int(block.group(2) or 0), int(block.group(3))) if block else ()
+        child = _TRANSFORMER_CHILD.match(name)
+        container = child.group(1) if child else name
+        first = first_seen.setdefault(container, index)
+        return position, first, _KOHYA_CHILD_RANK[child.group(2)] if child else 0, index
+
+    return [name for _, name in sorted(enumerate(names), key=key)]
+
+
+def kohya_parameter_order(network: torch.nn.Module, group_params: list[list[torch.nn.Parameter]]
+                          ) -> list[list[torch.nn.Parameter]]:
+    """Each optimizer group's parameters in kohya's order: its modules in :func:`kohya_module_order`, each
+    module's parameters in registration order (the same in kohya's module classes)."""
+    owner = {id(parameter): lora.lora_name for lora in network.all_loras() for parameter in lora.parameters()}
+    ordered = []
+    for params in group_params:
+        by_module: dict[str, list[torch.nn.Parameter]] = {}
+        for parameter in params:
+            by_module.setdefault(owner[id(parameter)], []).append(parameter)
+        ordered.append([p for name in kohya_module_order(list(by_module)) for p in by_module[name]])
+    return ordered
+
+
+def optimizer_state_in_our_order(optimizer: torch.optim.Optimizer, network: torch.nn.Module,
+                                 kohya_state: dict[str, Any]) -> dict[str, Any]:
+    """kohya's ``optimizer.state_dict()`` renumbered for ``optimizer`` (same groups, this trainer's order).
+    ValueError naming the difference when the groups or the parameters' shapes do not match."""
+    groups = optimizer.param_groups
+    kohya_groups = kohya_state["param_groups"]
+    sizes, kohya_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in kohya_groups]
+    if sizes != kohya_sizes:
+        raise ValueError(f"parameter groups of {kohya_sizes} parameters, this run has {sizes}")
+    ours = optimizer.state_dict()
+    our_index = {id(p): index for group, saved in zip(groups, ours["param_groups"])
+                 for p, index in zip(group["params"], saved["params"])}
+    kohya_order = kohya_parameter_order(network, [group["params"] for group in groups])
+    state = {}
+    for params, kohya_group in zip(kohya_order, kohya_groups):
+        for parameter, kohya_index in zip(params, kohya_group["params"]):
+            values = kohya_state["state"].get(kohya_index)
+            if values is None:
+                continue
+            state[our_index[id(parameter)]] = {name: _shaped(value, parameter, f"{name} of parameter {kohya_index}")
+                                               for name, value in values.items()}
+    param_groups = [{**kohya_group, "params": saved["params"]}
+                    for kohya_group, saved in zip(kohya_groups, ours["param_groups"])]
+    return {"state": state, "param_groups": param_groups}
+
+
+def _shaped(value: Any, parameter: torch.nn.Parameter, what: str) -> Any:
+    """A per-parameter state tensor in the parameter's shape: kohya's DyLoRA keeps its conv slices flat
+    ((1, in) for our (1, in, 1, 1)), the same values in the same order. ValueError when it cannot be."""
+    if not torch.is_tensor(value) or value.dim() == 0 or value.shape == parameter.shape:
+        return value
+    if value.numel() != parameter.numel():
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the parameter in kohya's order is "
+                         f"{tuple(parameter.shape)}")
+    return value.reshape(parameter.shape)
+
+
+def restore(path: Path, network: torch.nn.Module, components: dict[str, Any], device: torch.device) -> None:
+    """Load a kohya state folder into ``network`` and ``components`` (this trainer's names: optimizer,
+    lr_scheduler, loss_scaler, ...) and print one line saying what was restored and what was not.
+    UserError when its network does not fit this run's (``--network_*`` options differ)."""
+    step = kohya_step(path)
+    network.load_weights_from(load_file(path / MODEL_FILE), f"--resume {path} ({MODEL_FILE})")
+    network.to(device)
+    restored, missed = ["LoRA weights"], []
+    optimizer = components.get("optimizer")
+    if optimizer is not None and (path / OPTIMIZER_FILE).is_file():
+        kohya_optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        try:
+            optimizer.load_state_dict(optimizer_state_in_our_order(optimizer, network, kohya_optimizer))
+            restored.append(f"{type(optimizer).__name__} state")
+        except (ValueError, KeyError, RuntimeError) as error:
+            missed.append(f"the optimizer state ({first_line(error)}: were --network_args, --unet_lr, "
+                          f"--text_encoder_lr or --optimizer_type different?)")
+    scheduler = components.get("lr_scheduler")
+    if scheduler is not None and (path / SCHEDULER_FILE).is_file():
+        try:
+            scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+            restored.append("LR schedule")
+        except (ValueError, KeyError, RuntimeError, TypeError) as error:
+            missed.append(f"the LR schedule ({first_line(error)})")
+    scaler = components.get("loss_scaler")
+    if scaler is not None and (path / SCALER_FILE).is_file():
+        scale = float(torch.load(path / SCALER_FILE, map_location="cpu", weights_only=False)["scale"])
+        scaler.load_state_dict({"policy": "kohya (torch GradScaler)", "scale": scale, "overflow_count": 0,
+                                "policy_state": {}})
+        restored.append(f"loss scale {scale:g}")
+    missed.append("kohya's data order and random states (this trainer keys data and noise by seed, epoch and "
+                  "sample)")
+    if "grad_guard" in components:
+        missed.append("the gradient guard's history (kohya has none)")
+    print(f"--resume {path}: kohya-ss state at step {step}: restored {', '.join(restored)}; not restored: "
+          f"{'; '.join(missed)}")
+
+
+def resume_step(resume: Optional[str]) -> Optional[int]:
+    """The step a ``--resume`` kohya state folder continues at (None: not a kohya state)."""
+    if not resume or resume == "auto" or not is_kohya_state(Path(resume)):
+        return None
+    return kohya_step(Path(resume))
