@@ -203,7 +203,7 @@ def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[
         return None
     store = StateStore(args.output_dir, args.output_name, protected_arguments(args, num_processes))
     path = store.resolve(args.resume)
-    if path is not None:
+    if path is not None and not kohya_state.is_kohya_state(path):  # a kohya state is checked as it loads
         store.check_arguments(path)
     return path
 
