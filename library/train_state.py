@@ -1,7 +1,7 @@
 """Training state you can kill -9: atomic state folders, a tracker file, rotation, verified resume.
 
 A state folder holds everything the next step depends on (LoRA, optimizer, LR schedule,
-loss scaler, gradient guard, RNGs, data position) plus ``manifest.json``: the format
+loss scaler, gradient guard, EMA of the weights, RNGs, data position) plus ``manifest.json``: the format
 version, the arguments that must not change on resume, and a SHA-256 of every file.
 It is written under a temporary name and renamed when complete; only then is the
 tracker file (``<output_name>-state.json`` in ``--output_dir``) replaced, atomically, and
@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.checkpoint_files import file_sha256
+from library.ema import EmaConfig
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
 
@@ -183,6 +184,8 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "seed": args.seed,
         "optimizer_type": args.optimizer_type,
         "world_size": num_processes,
+        # what shapes the EMA of the weights (None without one, as in states written before it existed)
+        "ema": EmaConfig.from_args(args).averaging(),
     }
 
 
