@@ -98,6 +98,12 @@ class EmaConfig:
         return cls(args.ema_decay, args.ema_warmup, args.ema_inv_gamma, args.ema_power, args.ema_update_every,
                    args.ema_device, args.ema_save_raw)
 
+    @property
+    def warmup_shape(self) -> tuple[float, float]:
+        """(inv_gamma, power) of ``--ema_warmup``, diffusers' defaults where not given."""
+        return (DEFAULT_INV_GAMMA if self.inv_gamma is None else self.inv_gamma,
+                DEFAULT_POWER if self.power is None else self.power)
+
     def decay_at(self, update: int) -> float:
         """The decay of the ``update``-th update (1 = the first), as diffusers' ``EMAModel.get_decay``
         computes it for ``optimization_step = update`` (``update_after_step`` 0, ``min_decay`` 0)."""
@@ -105,8 +111,7 @@ class EmaConfig:
         if t <= 0:
             return 0.0
         if self.warmup:
-            inv_gamma = DEFAULT_INV_GAMMA if self.inv_gamma is None else self.inv_gamma
-            power = DEFAULT_POWER if self.power is None else self.power
+            inv_gamma, power = self.warmup_shape
             rising = 1 - (1 + t / inv_gamma) ** -power
         else:
             rising = (1 + t) / (10 + t)
@@ -122,10 +127,10 @@ class EmaConfig:
 
     def file_metadata(self, weights: str) -> dict[str, str]:
         """The LoRA metadata of a file holding ``weights`` ("ema" or "raw")."""
-        warmup = "power" if self.warmup else "default"
+        warmup = "default"
         if self.warmup:
-            warmup += (f" inv_gamma={DEFAULT_INV_GAMMA if self.inv_gamma is None else self.inv_gamma}"
-                       f" power={DEFAULT_POWER if self.power is None else self.power:.6g}")
+            inv_gamma, power = self.warmup_shape
+            warmup = f"power inv_gamma={inv_gamma} power={power:.6g}"
         return {"ss_weights": weights, "ss_ema_decay": str(self.decay), "ss_ema_warmup": warmup,
                 "ss_ema_update_every": str(self.update_every)}
 
