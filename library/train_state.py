@@ -376,12 +376,13 @@ class StateStore:
             return None
 
     def remove_partial_writes(self) -> None:
-        """Delete temporary folders left by a state write that was killed before its rename."""
+        """Delete temporary folders left by a state write that was killed before its rename. Every process
+        of a multi-process run does this at once: a file another one removed first is no error."""
         if not self.output_dir.is_dir():
             return
         for path in self.output_dir.iterdir():
             if path.is_dir() and path.name.startswith(f".{self.output_name}") and ".tmp" in path.name:
-                shutil.rmtree(path)
+                shutil.rmtree(path, ignore_errors=True)
                 print(f"removed the partial state write {path}")
 
     # -- finding and reading ------------------------------------------------------------------
