@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import re
 import signal
