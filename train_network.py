@@ -12,7 +12,7 @@ import math
 import os
 import random
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +25,7 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from tqdm import tqdm
 
 from library import (
-    compatibility, config_file, fault_injection, fp8_base, grad_guard, healing, lora_files, loss_scaling, losses,
+    compatibility, config_file, ema, fault_injection, fp8_base, grad_guard, healing, lora_files, loss_scaling, losses,
     model_loading, nan_report, noise, optimizers,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
@@ -114,6 +114,7 @@ def setup_parser() -> argparse.ArgumentParser:
     noise.add_arguments(parser)
     losses.add_arguments(parser)
     optimizers.add_arguments(parser)
+    ema.add_arguments(parser)
     grad_guard.add_arguments(parser)
     healing.add_arguments(parser)
     loss_scaling.add_arguments(parser)
@@ -182,6 +183,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     lora_metadata.validate_arguments(args)
     train_state.validate_arguments(args)
     optimizers.validate_args(args)
+    ema.validate_arguments(args)
     loss_scaling.validate_arguments(args)
     losses.validate_arguments(args)
     sampling.validate_arguments(args)
@@ -218,7 +220,8 @@ class LossContext:
 @dataclass
 class Optimization:
     """What turns gradients into updates, and what watches them: optimizer, learning-rate schedule, the
-    fp16 loss scaler (None otherwise), the gradient guard and its monitor, and the healing policy."""
+    fp16 loss scaler (None otherwise), the gradient guard and its monitor, the healing policy, and the
+    EMA of the weights (None without ``--ema_decay``)."""
 
     trainable_params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -231,6 +234,7 @@ class Optimization:
     healer: healing.HealingPolicy
     agree: Optional[Callable[[bool], bool]]  # the guard's decision shared by the processes
     injections: dict[int, fault_injection.Injection]
+    ema: Optional[ema.LoraEma] = None
 
     def unscaled(self, measured: grad_guard.GradientMeasurement, args: argparse.Namespace) -> float:
         """The measured norm without the loss scale (what the runaway test compares across scale changes)."""
@@ -265,6 +269,11 @@ class Run:
     def save_state(self, name: str) -> bool:
         self.outputs.flush()
         return self.states.save(name, self.progress)
+
+    def weights_for_use(self) -> AbstractContextManager[None]:
+        """The context in which the LoRA holds the weights samples, validation and files see (the EMA,
+        schedule-free's average); training states are saved outside it."""
+        return ema.weights_for_use(self.optimization.optimizer, self.optimization.ema)
 
 
 class NetworkTrainer:
@@ -350,7 +359,7 @@ class NetworkTrainer:
                              resume_step=resume_step)
         if captured:
             outputs.event(progress.global_step, "healthy", "")  # the initial healthy point (the tools read it)
-        writer = lora_files.LoraWriter(args, metadata, current_metadata=optimization.healer.metadata)
+        writer = lora_files.LoraWriter(args, metadata, optimization.ema, current_metadata=optimization.healer.metadata)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
                    writer, outputs)
 
@@ -453,7 +462,8 @@ class NetworkTrainer:
                                        describe=lambda image: (dataset.plan.images[image].path,
                                                                dataset.plan.images[image].caption))
         return Optimization(trainable_params, optimizer, optimizer_name, optimizer_args, lr_scheduler, scaler, guard,
-                            monitor, healer, agree, fault_injection.parse_injections(args.debug_inject_grad))
+                            monitor, healer, agree, fault_injection.parse_injections(args.debug_inject_grad),
+                            ema.create(args, trainable_params))
 
     def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
                     optimization: Optimization, data: TrainingData, resume_from: Optional[Path]
@@ -476,6 +486,8 @@ class NetworkTrainer:
                     "healing": optimization.healer}
         if optimization.scaler is not None:
             stateful["loss_scaler"] = optimization.scaler
+        if optimization.ema is not None:
+            stateful["ema"] = optimization.ema
         states = train_state.RunStates(store, network, stateful, not_captured=("healing",))
         resumed = states.resume(resume_from, accelerator.device)
         if resumed and (args.initial_step is not None or args.initial_epoch is not None):
@@ -512,6 +524,7 @@ class NetworkTrainer:
         """Forward and backward the window, measure, let the guard and the healing policy decide, step."""
         args, optimization, accelerator = run.args, run.optimization, run.accelerator
         step = run.progress.global_step + 1
+        optimizers.enter_train_mode(optimization.optimizer)  # schedule-free: save points leave it at its average
         samples = healing.WindowSamples(accelerator.process_index, accelerator.num_processes,
                                         args.gradient_accumulation_steps, run.data.dataset.max_batch_size)
         window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
@@ -537,6 +550,8 @@ class NetworkTrainer:
             if args.scale_weight_norms:
                 max_norm_logs = max_norm_scalars(run.network.apply_max_norm_regularization(args.scale_weight_norms))
         stepped = not decision.skip and verdict.train and not (scaler is not None and scaler.last_step_skipped)
+        if stepped and optimization.ema is not None:  # a skipped step leaves the average as it is
+            optimization.ema.after_optimizer_step()
         verdict = optimization.healer.conclude(verdict, healing.step_kind(stepped, decision.skip, verdict))
         run.progress.global_step = step
         return StepResult(step, window.epoch, measured.loss, measured, decision, verdict, stepped,
@@ -638,41 +653,40 @@ class NetworkTrainer:
 
     # -- events -----------------------------------------------------------------------------
     def after_start(self, run: Run) -> None:
-        # Schedule-free optimizers: samples, validation and files see the averaged weights (eval
-        # mode). A resumed state was saved in eval mode: train mode comes after this sample.
-        with optimizers.averaged_weights(run.optimization.optimizer):
+        with run.weights_for_use():  # samples, validation and files see the EMA / schedule-free's average
             sampling.sample_images(run.args, run.accelerator, run.models, run.network, run.device, when="first",
                                    step=run.progress.global_step)
 
     def after_step(self, run: Run, step: int, epoch: int) -> None:
         """Validation, LoRA file, sample images and state of a step save point (every process calls it)."""
         args = run.args
-        with optimizers.averaged_weights(run.optimization.optimizer):  # every step on every process, as kohya
+        with run.weights_for_use():  # every step on every process, as kohya
             if run.validator is not None and run.validator.due_after_step(step):  # before this step's state
                 self.validate(run, "step", f"after step {step}")
             if run.accelerator.is_main_process:
                 run.writer.on_step(run.network, step, epoch)
                 sampling.sample_images(args, run.accelerator, run.models, run.network, run.device, when="step",
                                        step=step)
-                if args.save_state and args.save_every_n_steps and step % args.save_every_n_steps == 0:
-                    if run.save_state(train_state.step_state_name(args.output_name, step)):
-                        run.states.store.rotate("step", step, args.save_every_n_steps,
-                                                train_state.kept_states(args)[0])
+        if run.accelerator.is_main_process and args.save_state and args.save_every_n_steps \
+                and step % args.save_every_n_steps == 0:
+            if run.save_state(train_state.step_state_name(args.output_name, step)):
+                run.states.store.rotate("step", step, args.save_every_n_steps, train_state.kept_states(args)[0])
 
     def after_epoch(self, run: Run, epoch: int) -> None:
         """Validation, LoRA file, sample images and state of an epoch save point."""
         args, step = run.args, run.progress.global_step
-        with optimizers.averaged_weights(run.optimization.optimizer):
+        with run.weights_for_use():
             if run.validator is not None and run.validator.due_after_epoch(epoch):
                 self.validate(run, "epoch", f"after epoch {epoch} (step {step})")
             if run.accelerator.is_main_process:
                 run.writer.on_epoch_end(run.network, step, epoch, is_last_epoch=epoch == run.data.num_epochs)
                 sampling.sample_images(args, run.accelerator, run.models, run.network, run.device, when="epoch",
                                        step=step, epoch=epoch)
-                every = args.save_every_n_epochs
-                if args.save_state and every and epoch % every == 0 and epoch != run.data.num_epochs:
-                    if run.save_state(train_state.epoch_state_name(args.output_name, epoch)):
-                        run.states.store.rotate("epoch", epoch, every, train_state.kept_states(args)[1])
+        every = args.save_every_n_epochs
+        if run.accelerator.is_main_process and args.save_state and every and epoch % every == 0 \
+                and epoch != run.data.num_epochs:
+            if run.save_state(train_state.epoch_state_name(args.output_name, epoch)):
+                run.states.store.rotate("epoch", epoch, every, train_state.kept_states(args)[1])
 
     def validate(self, run: Run, kind: str, where: str) -> None:
         """A validation pass on every process; its scalars are logged at the current step like the step's."""
@@ -699,14 +713,15 @@ class NetworkTrainer:
         failure = run.stopped or healer.failure_at_end()
         if failure:
             self.finish_failed(run, failure)
-        # schedule-free: the file holds the averaged weights (an interrupted run's state, above, stays in train mode)
-        optimizers.enter_eval_mode(run.optimization.optimizer)
-        if args.debug_report_weights:
-            fault_injection.report_weights(accelerator.process_index, run.network.lora_state_dict())
+        saved = None
+        with run.weights_for_use():  # the file holds the EMA / schedule-free's average, the state the training weights
+            if args.debug_report_weights:
+                fault_injection.report_weights(accelerator.process_index, run.network.lora_state_dict())
+            if accelerator.is_main_process:
+                epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
+                saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name),
+                                         progress.global_step, epoch)
         if accelerator.is_main_process:
-            epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
-            saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name), progress.global_step,
-                                     epoch)
             if args.save_state or args.save_state_on_train_end:  # kohya: --save_state also saves the last state
                 run.save_state(train_state.final_state_name(args.output_name))
             if saved is None:
@@ -715,19 +730,19 @@ class NetworkTrainer:
                                         healing.learning_rates(run.optimization.optimizer)))
 
     def finish_failed(self, run: Run, failure: str) -> None:
-        """Write the last healthy weights as ``<output_name>-last_healthy.safetensors`` (the healthy point,
-        or without one the current weights, which no failed step changed) and exit with code 1."""
+        """Write the healthy point's weights as ``<output_name>-last_healthy.safetensors`` (none without a
+        healthy point: rewinding off) and exit with code 1."""
         args, progress, healer = run.args, run.progress, run.optimization.healer
         summary = healer.summary(progress.global_step, run.average_loss, len(progress.loss_history),
                                  healing.learning_rates(run.optimization.optimizer))
         written = None
         if run.states.healthy_point is not None:
             weights_step = run.states.restore(run.device)
-            optimizers.enter_eval_mode(run.optimization.optimizer)
-            if run.accelerator.is_main_process:
-                run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
-                written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
-                                           weights_step, progress.epoch)
+            with run.weights_for_use():
+                if run.accelerator.is_main_process:
+                    run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
+                    written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
+                                               weights_step, progress.epoch)
         print(f"failed: {failure}; "
               + (f"the last healthy weights (step {weights_step}) are in {written}" if written else
                  "no weights written (no healthy point is kept without --rewind_on_divergence)")

@@ -33,11 +33,29 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def train_quickstart(steps: int, *extra: str) -> None:
+    """The quickstart's run on the tiny SDXL (fp16, ``--grad_guard_preset stable``, rank 16, conv rank 16)
+    for ``steps`` optimizer steps in this process, its output silenced; ``extra``: more flags."""
+    import sdxl_train_network
+    from tools.build_tiny_models import build_tiny_models
+    from tools.make_demo_dataset import make_demo_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        models = build_tiny_models(Path(tmp) / "models")
+        make_demo_dataset(str(Path(tmp) / "dataset"))
+        argv = ["--pretrained_model_name_or_path", str(models["sdxl_file"]), "--model_config_dir",
+                str(models["sdxl_config"]), "--train_data_dir", str(Path(tmp) / "dataset"), "--caption_extension",
+                ".txt", "--resolution", "64", "--output_dir", str(Path(tmp) / "out"), "--network_dim", "16",
+                "--network_alpha", "16", "--network_args", "conv_dim=16", "conv_alpha=16", "--learning_rate",
+                "5e-3", "--mixed_precision", "fp16", "--max_train_steps", str(steps), "--seed", "42",
+                "--max_data_loader_n_workers", "0", "--grad_guard_preset", "stable", *extra]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            sdxl_train_network.main(argv)
+
+
 def tiny_sdxl(steps: int) -> dict[str, float]:
     import sdxl_train_network
     from library.train_state import RunStates
-    from tools.build_tiny_models import build_tiny_models
-    from tools.make_demo_dataset import make_demo_dataset
 
     trainer = sdxl_train_network.SdxlNetworkTrainer
     step_starts, captures, sizes = [], [], []
@@ -55,17 +73,7 @@ def tiny_sdxl(steps: int) -> dict[str, float]:
 
     trainer.train_step, RunStates.capture = train_step, capture
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            models = build_tiny_models(Path(tmp) / "models")
-            make_demo_dataset(str(Path(tmp) / "dataset"))
-            argv = ["--pretrained_model_name_or_path", str(models["sdxl_file"]), "--model_config_dir",
-                    str(models["sdxl_config"]), "--train_data_dir", str(Path(tmp) / "dataset"), "--caption_extension",
-                    ".txt", "--resolution", "64", "--output_dir", str(Path(tmp) / "out"), "--network_dim", "16",
-                    "--network_alpha", "16", "--network_args", "conv_dim=16", "conv_alpha=16", "--learning_rate",
-                    "5e-3", "--mixed_precision", "fp16", "--max_train_steps", str(steps), "--seed", "42",
-                    "--max_data_loader_n_workers", "0", "--grad_guard_preset", "stable", "--rewind_every_n_steps", "1"]
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                sdxl_train_network.main(argv)
+        train_quickstart(steps, "--rewind_every_n_steps", "1")
     finally:
         trainer.train_step, RunStates.capture = original_step, original_capture
     # a step's time without its snapshot: start to start, minus the snapshot taken in between

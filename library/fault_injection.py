@@ -87,12 +87,17 @@ def state_write_hook(kill_at: Optional[int]) -> Optional[Callable[[Path], None]]
     return hook
 
 
-def report_weights(rank: int, state: dict[str, torch.Tensor]) -> None:
-    """Print one line with a SHA-256 of this process's LoRA weights (multi-process tests compare ranks)."""
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+    """A SHA-256 over the keys and values of a LoRA state dict, in key order."""
     digest = hashlib.sha256()
     for key in sorted(state):
         digest.update(key.encode())
         digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def report_weights(rank: int, state: dict[str, torch.Tensor]) -> None:
+    """Print one line with a SHA-256 of this process's LoRA weights (multi-process tests compare ranks)."""
     # One write of a short line is atomic on a pipe, so the lines of several processes never interleave.
     sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"\nrank {rank} lora_sha256 {digest.hexdigest()}\n".encode())
+    os.write(sys.stdout.fileno(), f"\nrank {rank} lora_sha256 {weights_sha256(state)}\n".encode())

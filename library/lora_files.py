@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from library.ema import LoraEma, raw_file_name
 from library.errors import UserError
 from library.lora_metadata import addnet_hashes
 from networks.lora import LoRANetwork, save_lora_file
@@ -153,9 +154,14 @@ def cast_for_saving(state: Mapping[str, torch.Tensor], save_dtype: Optional[torc
 
 
 class LoraWriter:
-    """Writes the network at save points and removes files that fall out of the kept range."""
+    """Writes the network at save points and removes files that fall out of the kept range.
 
-    def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str],
+    With an ``ema`` the network is written while it holds the average (``ema.weights_for_use``), its
+    metadata says so, and ``--ema_save_raw`` writes the training weights beside every file
+    (``ema.raw_file_name``), removed with it.
+    """
+
+    def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str], ema: Optional[LoraEma] = None,
                  current_metadata: Callable[[], Mapping[str, str]] = dict) -> None:
         """``metadata``: the run's; ``current_metadata()``: what changes during the run (rewinds, quarantined
         samples), asked at every write."""
@@ -163,10 +169,22 @@ class LoraWriter:
         self.metadata = dict(metadata)
         self.current_metadata = current_metadata
         self.save_dtype = SAVE_DTYPES[args.save_precision]
+        self.ema = ema
 
     def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
-        """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder; None
-        when refused (see ``save_refusal``), in which case nothing is written."""
+        """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder (and its
+        raw weights beside it with ``--ema_save_raw``); None when refused (see ``save_refusal``), in which case
+        nothing is written."""
+        if self.ema is None:
+            return self._write(network, file_name, step, epoch, {})
+        path = self._write(network, file_name, step, epoch, self.ema.config.file_metadata("ema"))
+        if path is not None and self.ema.config.save_raw:
+            with self.ema.training_weights():
+                self._write(network, raw_file_name(file_name), step, epoch, self.ema.config.file_metadata("raw"))
+        return path
+
+    def _write(self, network: LoRANetwork, file_name: str, step: int, epoch: int,
+               weights_metadata: Mapping[str, str]) -> Optional[str]:
         path = self._path(file_name)
         trained = network.lora_state_dict()
         state = cast_for_saving(trained, self.save_dtype)
@@ -175,7 +193,7 @@ class LoraWriter:
             print(f"\nnot saving {path}: {refusal}; no file written or removed", flush=True)
             return None
         metadata = {**self.metadata, **self.current_metadata()}
-        metadata.update({"ss_steps": str(step), "ss_epoch": str(epoch)})
+        metadata.update({"ss_steps": str(step), "ss_epoch": str(epoch), **weights_metadata})
         if not self.args.no_metadata:
             metadata.update(addnet_hashes(state, metadata))
         else:
@@ -205,7 +223,8 @@ class LoraWriter:
         return os.path.join(self.args.output_dir, f"{os.path.splitext(file_name)[0]}.{self.args.save_model_as}")
 
     def _remove(self, file_name: str) -> None:
-        path = self._path(file_name)
-        if os.path.exists(path):
-            os.remove(path)
-            print(f"removed old {path}", flush=True)
+        for name in (file_name, raw_file_name(file_name)) if self.ema is not None else (file_name,):
+            path = self._path(name)
+            if os.path.exists(path):
+                os.remove(path)
+                print(f"removed old {path}", flush=True)

@@ -12,20 +12,20 @@ prodigyplus.ProdigyPlusScheduleFree or pytorch_optimizer.CAME (the kohya_ss GUI'
 
 Schedule-free optimizers keep two sets of weights: the ones gradients are taken at (train mode)
 and the averaged ones to use (eval mode). As in kohya, they keep their own schedule (the LR
-scheduler is constant) and the trainer switches them (``enter_eval_mode``/``enter_train_mode``)
-around sampling, validation and saving, so samples and files see the averaged weights.
+scheduler is constant) and the trainer switches them: to eval mode for sampling, validation and
+saving (``library.ema.weights_for_use``), so samples and files see the averaged weights, and back to
+train mode before the next step (``enter_train_mode``).
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import importlib
 import inspect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -324,18 +324,6 @@ def enter_eval_mode(optimizer: torch.optim.Optimizer) -> None:
     moves the weights, and the processes' weights must stay identical."""
     if is_schedule_free(type(optimizer)):
         optimizer.eval()
-
-
-@contextlib.contextmanager
-def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Within the block, a schedule-free optimizer's parameters are its averaged weights (eval
-    mode: what samples, validation and saved files see); after it, its training point again. A
-    no-op for other optimizers. Every process must enter and leave at the same points."""
-    enter_eval_mode(optimizer)
-    try:
-        yield
-    finally:
-        enter_train_mode(optimizer)
 
 
 def parse_key_value_args(items: Sequence[str] | None, flag: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Training state you can kill -9: atomic state folders, a tracker file, rotation, verified resume.
 
 A state folder holds everything the next step depends on (LoRA, optimizer, LR schedule,
-loss scaler, gradient guard, RNGs, data position) plus ``manifest.json``: the format
+loss scaler, gradient guard, EMA of the weights, RNGs, data position) plus ``manifest.json``: the format
 version, the arguments that must not change on resume, and a SHA-256 of every file.
 It is written under a temporary name and renamed when complete (``library.atomic_files``:
 fsynced, so a power loss too leaves it whole or absent); only then is the tracker file
@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save
 from library import atomic_files, kohya_state, optimizers
 from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
+from library.ema import EmaConfig
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
 
@@ -191,6 +192,8 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "seed": args.seed,
         "optimizer_type": args.optimizer_type,
         "world_size": num_processes,
+        # what shapes the EMA of the weights (None without one, as in states written before it existed)
+        "ema": EmaConfig.from_args(args).averaging(),
     }
 
 
