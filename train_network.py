@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from library import (
     compatibility, config_file, fault_injection, fp8_base, grad_guard, lora_files, loss_scaling, losses, model_loading,
-    noise, optimizers,
+    noise, optimizers, torch_compile,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
@@ -119,6 +119,7 @@ def setup_parser() -> argparse.ArgumentParser:
     fault_injection.add_arguments(parser)
     sampling.add_arguments(parser)
     compatibility.add_arguments(parser)
+    torch_compile.add_arguments(parser)
     return parser
 
 
@@ -166,6 +167,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
     compatibility.refuse_unsupported(args)
+    torch_compile.validate_arguments(args)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
     if os.path.dirname(args.output_name):
@@ -386,7 +388,8 @@ class NetworkTrainer:
             f"on {device.type}"
         )
         run = LossContext(
-            args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
+            args, torch_compile.compiled_for_training(args, models, train_unet, train_text_encoder), noise_scheduler,
+            noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
             torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
             # a text encoder whose LoRA has learning rate 0 runs without recording gradients
             train_text_encoder and any(p.requires_grad for module in network.text_encoder_loras

@@ -25,7 +25,6 @@ UNSUPPORTED: dict[str, str] = {
     "deepspeed": "DeepSpeed is not supported here; multi-GPU runs use accelerate launch or torchrun",
     "cpu_offload_checkpointing": "offloading checkpointed activations to the CPU is not supported here; "
                                  "--gradient_checkpointing alone is",
-    "torch_compile": "torch.compile is not supported here",
     "huggingface_repo_id": "uploading to the Hugging Face Hub is not supported; upload the output files yourself",
     "save_state_to_huggingface": "uploading to the Hugging Face Hub is not supported",
     "resume_from_huggingface": "resuming from the Hugging Face Hub is not supported; download the state and "
@@ -67,12 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def inert(flag: str, needs: str, **kwargs: Any) -> None:
         add(flag, **kwargs, help=f"accepted, no effect (used only with {needs}, which is not supported)")
 
-    for flag in ("--deepspeed", "--cpu_offload_checkpointing", "--torch_compile", "--save_state_to_huggingface",
+    for flag in ("--deepspeed", "--cpu_offload_checkpointing", "--save_state_to_huggingface",
                  "--resume_from_huggingface"):
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)
-    inert("--dynamo_backend", "--torch_compile", type=str, default="inductor")
     inert("--zero_stage", "--deepspeed", type=int, default=2)
     for flag in ("--offload_optimizer_device", "--offload_optimizer_nvme_path", "--offload_param_device",
                  "--offload_param_nvme_path"):
