@@ -17,9 +17,11 @@ kohya's module set (722 UNet modules, names and shapes) and for finite values. T
 ``load_s=.. first_step_s=.. step_s=.. peak_rss_gib=.. first_loss=.. unet_modules=..``.
 
 Each run's figures are kept in ``<work_dir>/result_<mixed precision>[_fp8].json``; a ``--fp8_base``
-run then compares itself with the stored runs without it (same file, seed and data): peak RSS
-and first-step loss (the loss before any update, so it compares the forward passes). Run the
-variants one after the other, never two at once (each needs most of a 24 GiB machine). Not run in CI.
+run then compares itself with the stored runs without it (same file, seed and data): peak RSS,
+first-step loss (the loss before any update, so it compares the forward passes) and step time;
+its last line adds ``fp8_step_ratio=<fp8 / the same --mixed_precision without fp8>`` (target
+<= 1.5 on a CPU). Run the variants one after the other, never two at once (each needs most of a
+24 GiB machine). Not run in CI.
 """
 from __future__ import annotations
 
@@ -278,11 +280,15 @@ def main() -> None:
                "peak_rss_gib": measured["vm_hwm"] / gib, "first_loss": measured["losses"][0]}
     variant = mixed_precision + ("_fp8" if args.fp8_base else "")
     (Path(args.work_dir) / f"result_{variant}.json").write_text(json.dumps({**summary, "args": sys.argv[1:]}))
+    ratio = ""
     if args.fp8_base:
         compare_with_runs_without_fp8(Path(args.work_dir), summary)
+        plain = Path(args.work_dir) / f"result_{mixed_precision}.json"
+        step_ratio = summary["step_s"] / json.loads(plain.read_text())["step_s"] if plain.is_file() else None
+        ratio = f" fp8_step_ratio={'none' if step_ratio is None else f'{step_ratio:.3f}'}"
     print(f"load_s={summary['load_s']:.1f} first_step_s={steps[0]:.1f} step_s={steady:.2f} "
           f"peak_rss_gib={summary['peak_rss_gib']:.2f} first_loss={summary['first_loss']:.6f} "
-          f"unet_modules={unet_modules}")
+          f"unet_modules={unet_modules}{ratio}")
 
 
 def compare_with_runs_without_fp8(work_dir: Path, fp8: dict) -> None:
@@ -297,7 +303,7 @@ def compare_with_runs_without_fp8(work_dir: Path, fp8: dict) -> None:
         print(f"vs --mixed_precision {precision} without fp8: peak_rss_gib {plain['peak_rss_gib']:.2f} -> "
               f"{fp8['peak_rss_gib']:.2f} ({fp8['peak_rss_gib'] - plain['peak_rss_gib']:+.2f}); first_loss "
               f"{plain['first_loss']:.6f} -> {fp8['first_loss']:.6f} (rel diff {relative:+.3%}); step_s "
-              f"{plain['step_s']:.2f} -> {fp8['step_s']:.2f}")
+              f"{plain['step_s']:.2f} -> {fp8['step_s']:.2f} ({fp8['step_s'] / plain['step_s']:.3f}x)")
 
 
 if __name__ == "__main__":
