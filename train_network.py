@@ -25,8 +25,8 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, send
 from tqdm import tqdm
 
 from library import (
-    compatibility, config_file, fault_injection, fp8_base, grad_guard, lora_files, loss_scaling, losses, model_loading,
-    noise, optimizers, torch_compile,
+    compatibility, config_file, fault_injection, flat_gradients, fp8_base, grad_guard, lora_files, loss_scaling, losses,
+    model_loading, noise, optimizers, torch_compile,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
@@ -308,6 +308,7 @@ class NetworkTrainer:
         if not param_groups:  # e.g. more --text_encoder_lr values than encoders, the used ones 0
             raise UserError(NOTHING_TO_TRAIN)
         trainable_params = [p for group in param_groups for p in group["params"]]
+        gradients = flat_gradients.FlatGradients(trainable_params)  # each step's .grad views of one buffer
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
 
         num_workers = min(args.max_data_loader_n_workers, os.cpu_count() or 1)
@@ -330,7 +331,7 @@ class NetworkTrainer:
         injections = fault_injection.parse_injections(args.debug_inject_grad)
         grad_log = GradientLog.from_args(args, with_scale=scaler is not None) if accelerator.is_main_process else None
         log_cosine = grad_log is not None and grad_log.with_cosine
-        monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        monitor = grad_guard.GradientMonitor(gradients, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
 
         # -- resume -------------------------------------------------------------------------
         store = train_state.StateStore(
@@ -431,7 +432,7 @@ class NetworkTrainer:
                     if not window:
                         break
                     window_loss = self.backward_window(run, window, epoch, accelerator, scaler)
-                    sharding.sum_gradients_across_processes(trainable_params)
+                    sharding.sum_gradients_across_processes(gradients)
                     step = progress_state.global_step + 1
                     fault_injection.inject(injections, step, accelerator.process_index, trainable_params)
                     measured = monitor.measure(scale=scaler.get_scale() if scaler else None, loss=window_loss)
