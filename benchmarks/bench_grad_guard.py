@@ -5,8 +5,10 @@ Transformer2DModels plus CLIP-L and OpenCLIP bigG, each a lora_down [16, in] and
 a lora_up [out, 16], their gradients views of one flat buffer as the trainer keeps them
 (``library.flat_gradients.FlatGradients``). Prints the guard's measurement (one host sync
 each, as in training) as ratios to one ``torch.linalg.vector_norm`` of that buffer plus
-``.item()``; the last line is ``norm_ratio=<x> cosine_ratio=<y> loop_speedup=<z>`` (also written
-to ``--json``, which ``bench_gpu_sdxl.py --summary --guard_json`` reads).
+``.item()``, and what the buffer costs per step (``gather copy``: autograd's separate
+gradients copied into it, one ``_foreach_copy_``); the last line is
+``norm_ratio=<x> cosine_ratio=<y> loop_speedup=<z>`` (also written to ``--json``, which
+``bench_gpu_sdxl.py --summary --guard_json`` reads).
 
     python benchmarks/bench_grad_guard.py [--repeats 20] [--device cpu|cuda] [--json guard.json]
 """
@@ -97,7 +99,11 @@ def main() -> None:
     total = gradients.numel
     flat = gradients.flat
     flat.copy_(torch.randn(total, generator=generator))
+    for parameter, view in zip(parameters, gradients.views):
+        parameter.grad = view  # as after FlatGradients.gather()
+    gradients.gather()
     grads = [p.grad for p in parameters]
+    separate = [torch.randn(p.shape, generator=generator).to(device) for p in parameters]
     print(f"device={device} threads={torch.get_num_threads()} unet_lora_modules={unet_modules} "
           f"tensors={len(shapes)} values={total} ({total * 4 / 2**20:.0f} MiB fp32)")
 
@@ -110,6 +116,8 @@ def main() -> None:
         "guard norm": norm_monitor.measure,
         "guard norm + cosine": cosine_monitor.measure,
         "python loop": lambda: torch.sqrt(sum((g * g).sum() for g in grads)).item(),
+        # what FlatGradients.gather adds per step: autograd's separate gradients copied into the buffer
+        "gather copy": lambda: (torch._foreach_copy_(gradients.views, separate), synchronize()),
     }
     timings = {name: time_seconds(function, args.repeats, synchronize) for name, function in variants.items()}
     baseline_min_s, baseline_median_s = timings["flat vector_norm"]
