@@ -243,7 +243,7 @@ class NetworkTrainer:
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Any,
         batch: dict[str, Any],
     ) -> torch.Tensor:
-        return models.unet(noisy_latents, timesteps, conditioning).sample
+        return models.unet(noisy_latents, timesteps, in_autocast_dtype(conditioning)).sample
 
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
@@ -713,6 +713,17 @@ class NetworkTrainer:
         if stepped:
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def in_autocast_dtype(hidden_states: torch.Tensor) -> torch.Tensor:
+    """Text encoder hidden states cast once to the active autocast dtype, as kohya casts them to the
+    weight dtype; without it autocast casts them again in every cross-attention key/value projection
+    and its LoRA (542 casts per full-size SDXL step). The same values either way. Left as they are
+    when they carry gradients (a text encoder trains): the sum of their gradients stays in float32."""
+    device_type = hidden_states.device.type
+    if hidden_states.requires_grad or not torch.is_autocast_enabled(device_type):
+        return hidden_states
+    return hidden_states.to(torch.get_autocast_dtype(device_type))
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
