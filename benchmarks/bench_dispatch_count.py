@@ -80,7 +80,8 @@ def count_ours(models: dict, dataset: str, output_dir: str, precision: str, batc
     trainer_class.backward_window = backward_window
     try:
         sdxl_train_network.main([
-            "--pretrained_model_name_or_path", str(models["sdxl_file"]), "--model_config_dir", str(models["sdxl_config"]),
+            "--pretrained_model_name_or_path", str(models["sdxl_file"]),
+            "--model_config_dir", str(models["sdxl_config"]),
             "--train_data_dir", dataset, "--caption_extension", ".txt", "--resolution", "64",
             "--train_batch_size", str(batch), "--output_dir", output_dir, "--output_name", "bench",
             "--mixed_precision", precision, "--network_dim", str(RANK), "--network_alpha", str(RANK),

@@ -356,7 +356,8 @@ def junit_count(path: str) -> str:
     the tests that are not device-relevant)."""
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")}
+    counts = {key: sum(int(suite.get(key, 0)) for suite in suites)
+              for key in ("tests", "failures", "errors", "skipped")}
     total = counts["tests"] - counts["skipped"]
     return f"{total - counts['failures'] - counts['errors']}/{total}"
 

@@ -32,7 +32,8 @@ class FlatGradients:
         self.parameters = [p for p in dict.fromkeys(parameters) if p.requires_grad]
         kinds = {(p.device, p.dtype) for p in self.parameters}
         if len(kinds) > 1:
-            raise ValueError(f"FlatGradients needs the parameters on one device in one dtype, got {sorted(map(str, kinds))}")
+            raise ValueError(f"FlatGradients needs the parameters on one device in one dtype, "
+                             f"got {sorted(map(str, kinds))}")
         device, dtype = kinds.pop() if kinds else (torch.device("cpu"), torch.float32)
         self.numel = sum(p.numel() for p in self.parameters)
         # One slot per parameter after the gradients: "has a gradient" flags that an all-reduce sums

@@ -472,8 +472,8 @@ class GradientMonitor:
 
     * Given a :class:`library.flat_gradients.FlatGradients` (the trainer's, gathered for this step),
       the gradients already are one flat buffer: the norm is one ``vector_norm`` of it (fp32
-      accumulation), whatever the number of parameters. Given parameters, their gradients are first copied into a flat fp32
-      buffer of the monitor's own (one ``_foreach_copy_``).
+      accumulation), whatever the number of parameters. Given parameters, their gradients are
+      first copied into a flat fp32 buffer of the monitor's own (one ``_foreach_copy_``).
     * With ``cosine=True`` one flat fp32 buffer of the total size holds the previous step's
       gradient (4 bytes per trainable value): each step takes the dot product of the current
       gradient with it, then copies the current one over it. On CPU this runs in chunks of
