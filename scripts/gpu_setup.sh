@@ -13,9 +13,10 @@
 # the project in ignored folders. It runs with its own pins where ours break it (transformers 5 has
 # no CLIPFeatureExtractor and other module paths; diffusers 0.42 needs a newer huggingface_hub):
 #   bash scripts/gpu_setup.sh download-kohya CHECKOUT  # CHECKOUT: a kohya-ss/sd-scripts tree; copies its
-#                                                 # trainer code into .gpu_assets/sd-scripts, its wheels
-#                                                 # into .gpu_assets/kohya-wheels (26 MB) and OpenCV
-#                                                 # into .gpu_assets/kohya-cv2 (50 MB: carry it alone)
+#                                                 # trainer code into .gpu_assets/sd-scripts (3.6 MB),
+#                                                 # its wheels into .gpu_assets/kohya-wheels (19 MB) and
+#                                                 # OpenCV + torchvision into .gpu_assets/kohya-vision
+#                                                 # (57 MB: carry it alone)
 #   bash scripts/gpu_setup.sh install-kohya       # there: into /tmp/site-kohya (bench_gpu_sdxl.py
 #                                                 # --kohya_site /tmp/site-kohya puts it first)
 set -euo pipefail
@@ -25,13 +26,13 @@ WHEELS=(diffusers==0.42.1 transformers==5.23.0 peft==0.21.2 toml==0.10.2 voluptu
         prodigy-plus-schedule-free==2.0.1 pytorch-optimizer==4.1.0)
 SDIST_ONLY=(dadaptation==3.2)  # no wheel on PyPI: built here (pure Python)
 BNB_WHEELS=(bitsandbytes==0.50.2)
-# kohya's requirements.txt pins where the GPU machine's packages do not run its code; torchvision
-# 0.26.0 is the PyPI build for the machine's torch 2.11 (+cu130). requests and its dependencies:
-# transformers 4.54 checks for them at import.
+# kohya's requirements.txt pins where the GPU machine's packages do not run its code. requests and
+# its dependencies: transformers 4.54 checks for them at import. torchvision 0.26.0 is the PyPI
+# build for the machine's torch 2.11 (+cu130); kohya imports it and OpenCV at module level.
 KOHYA_WHEELS=(transformers==4.54.1 tokenizers==0.21.4 huggingface-hub==0.34.3 diffusers==0.32.1
-              torchvision==0.26.0 imagesize==1.4.1 einops==0.7.0 requests==2.32.5 urllib3==2.5.0 idna==3.10
+              imagesize==1.4.1 einops==0.7.0 requests==2.32.5 urllib3==2.5.0 idna==3.10
               charset-normalizer==3.4.3 certifi==2025.8.3)
-KOHYA_CV2=(opencv-python-headless==4.10.0.84)
+KOHYA_VISION=(opencv-python-headless==4.10.0.84 torchvision==0.26.0)
 python=.venv/bin/python; [ -x "$python" ] || python=python3
 
 download() {  # download DIR WHEEL...: the GPU machine's Python 3.12, manylinux x86_64
@@ -70,9 +71,9 @@ download-kohya)
         (cd "$checkout" && xargs -0 tar -cf -) | tar -xf - -C .gpu_assets/sd-scripts
     du -sh .gpu_assets/sd-scripts
     download .gpu_assets/kohya-wheels "${KOHYA_WHEELS[@]}"
-    download .gpu_assets/kohya-cv2 "${KOHYA_CV2[@]}" ;;
+    download .gpu_assets/kohya-vision "${KOHYA_VISION[@]}" ;;
 install-kohya)
-    install /tmp/site-kohya .gpu_assets/kohya-wheels .gpu_assets/kohya-cv2
+    install /tmp/site-kohya .gpu_assets/kohya-wheels .gpu_assets/kohya-vision
     PYTHONPATH=/tmp/site-kohya:/tmp/site python3 -c "import transformers, diffusers, torchvision, cv2; print('kohya stack: transformers', transformers.__version__, 'diffusers', diffusers.__version__, 'torchvision', torchvision.__version__, 'cv2', cv2.__version__)" ;;
 *)
     echo "usage: bash scripts/gpu_setup.sh download|install|download-bnb|install-bnb|download-kohya CHECKOUT|install-kohya" >&2
