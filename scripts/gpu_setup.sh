@@ -39,8 +39,8 @@ download() {  # download DIR WHEEL...: the GPU machine's Python 3.12, manylinux 
     local dir=$1; shift
     mkdir -p "$dir"
     "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform any -d "$dir" "$@"
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
     du -sh "$dir"
 }
 
