@@ -44,7 +44,7 @@ class SdxlNetworkTrainer(train_network.NetworkTrainer):
         return models.unet(
             noisy_latents,
             timesteps,
-            hidden_states,
+            train_network.in_autocast_dtype(hidden_states),
             added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
         ).sample
 

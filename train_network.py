@@ -25,8 +25,8 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from tqdm import tqdm
 
 from library import (
-    compatibility, config_file, ema, fault_injection, fp8_base, grad_guard, healing, lora_files, loss_scaling, losses,
-    model_loading, nan_report, noise, optimizers,
+    compatibility, config_file, ema, fault_injection, flat_gradients, fp8_base, grad_guard, healing, lora_files,
+    loss_scaling, losses, model_loading, nan_report, noise, optimizers, torch_compile,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
@@ -122,6 +122,7 @@ def setup_parser() -> argparse.ArgumentParser:
     fault_injection.add_arguments(parser)
     sampling.add_arguments(parser)
     compatibility.add_arguments(parser)
+    torch_compile.add_arguments(parser)
     return parser
 
 
@@ -172,6 +173,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
     compatibility.check_arguments(args, sdxl)
+    torch_compile.validate_arguments(args)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)
     if os.path.dirname(args.output_name):
@@ -224,6 +226,7 @@ class Optimization:
     EMA of the weights (None without ``--ema_decay``)."""
 
     trainable_params: list[torch.nn.Parameter]
+    gradients: flat_gradients.FlatGradients  # the step's .grad as views of one buffer
     optimizer: torch.optim.Optimizer
     optimizer_name: str
     optimizer_args: str
@@ -310,7 +313,7 @@ class NetworkTrainer:
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Any,
         batch: dict[str, Any],
     ) -> torch.Tensor:
-        return models.unet(noisy_latents, timesteps, conditioning).sample
+        return models.unet(noisy_latents, timesteps, in_autocast_dtype(conditioning)).sample
 
     # -- the run -----------------------------------------------------------------------
     def train(self, args: argparse.Namespace, explicit: set[str]) -> None:
@@ -430,8 +433,10 @@ class NetworkTrainer:
                                               data.validation_dataset)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(models, train_text_encoder)
+        train_unet = not args.network_train_text_encoder_only
         loss = LossContext(
-            args, models, noise_scheduler, noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
+            args, torch_compile.compiled_for_training(args, models, train_unet, train_text_encoder), noise_scheduler,
+            noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
             torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
             # a text encoder whose LoRA has learning rate 0 runs without recording gradients
             train_text_encoder and any(p.requires_grad for module in network.text_encoder_loras
@@ -449,6 +454,7 @@ class NetworkTrainer:
         if not param_groups:  # e.g. more --text_encoder_lr values than encoders, the used ones 0
             raise UserError(NOTHING_TO_TRAIN)
         trainable_params = [p for group in param_groups for p in group["params"]]
+        gradients = flat_gradients.FlatGradients(trainable_params)  # each step's .grad views of one buffer
         optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
         lora_files.apply_epoch_ratio(args, data.num_epochs)
         lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
@@ -456,14 +462,14 @@ class NetworkTrainer:
         guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
         agree = (lambda skip: grad_guard.agree_across_processes(skip, accelerator)) if accelerator.num_processes > 1 else None
         log_cosine = accelerator.is_main_process and args.grad_norm_log and args.grad_cosine_log
-        monitor = grad_guard.GradientMonitor(trainable_params, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        monitor = grad_guard.GradientMonitor(gradients, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
         dataset = data.dataset
         healer = healing.HealingPolicy(healing.HealingConfig.from_args(args), len(dataset.plan.images),
                                        describe=lambda image: (dataset.plan.images[image].path,
                                                                dataset.plan.images[image].caption))
-        return Optimization(trainable_params, optimizer, optimizer_name, optimizer_args, lr_scheduler, scaler, guard,
-                            monitor, healer, agree, fault_injection.parse_injections(args.debug_inject_grad),
-                            ema.create(args, trainable_params))
+        return Optimization(trainable_params, gradients, optimizer, optimizer_name, optimizer_args, lr_scheduler,
+                            scaler, guard, monitor, healer, agree,
+                            fault_injection.parse_injections(args.debug_inject_grad), ema.create(args, trainable_params))
 
     def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
                     optimization: Optimization, data: TrainingData, resume_from: Optional[Path]
@@ -529,7 +535,7 @@ class NetworkTrainer:
                                         args.gradient_accumulation_steps, run.data.dataset.max_batch_size)
         window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
                                            samples)
-        sharding.sum_gradients_across_processes(optimization.trainable_params)
+        sharding.sum_gradients_across_processes(optimization.gradients)
         fault_injection.inject(optimization.injections, step, accelerator.process_index, optimization.trainable_params)
         scaler = optimization.scaler
         measured = optimization.monitor.measure(scale=scaler.get_scale_tensor() if scaler else None,
@@ -921,6 +927,17 @@ class NetworkTrainer:
         if stepped:
             optimizers.step_schedule(lr_scheduler, loss)
         optimizer.zero_grad(set_to_none=True)
+
+
+def in_autocast_dtype(hidden_states: torch.Tensor) -> torch.Tensor:
+    """Text encoder hidden states cast once to the active autocast dtype, as kohya casts them to the
+    weight dtype; without it autocast casts them again in every cross-attention key/value projection
+    and its LoRA (542 casts per full-size SDXL step). The same values either way. Left as they are
+    when they carry gradients (a text encoder trains): the sum of their gradients stays in float32."""
+    device_type = hidden_states.device.type
+    if hidden_states.requires_grad or not torch.is_autocast_enabled(device_type):
+        return hidden_states
+    return hidden_states.to(torch.get_autocast_dtype(device_type))
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:

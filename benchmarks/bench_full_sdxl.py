@@ -17,9 +17,12 @@ kohya's module set (722 UNet modules, names and shapes) and for finite values. T
 ``load_s=.. first_step_s=.. step_s=.. peak_rss_gib=.. first_loss=.. unet_modules=..``.
 
 Each run's figures are kept in ``<work_dir>/result_<mixed precision>[_fp8].json``; a ``--fp8_base``
-run then compares itself with the stored runs without it (same file, seed and data): peak RSS
-and first-step loss (the loss before any update, so it compares the forward passes). Run the
-variants one after the other, never two at once (each needs most of a 24 GiB machine). Not run in CI.
+run then compares itself with the stored runs without it (same file, seed and data): peak RSS,
+first-step loss (the loss before any update, so it compares the forward passes) and step time;
+its last line adds ``fp8_step_ratio=<fp8 / the same --mixed_precision without fp8>`` (target
+<= 1.5 on a CPU) and the same ratio of CPU seconds per step (``fp8_cpu_step_ratio``, which load
+from other processes on a shared machine does not inflate). Run the variants one after the other,
+never two at once (each needs most of a 24 GiB machine). Not run in CI.
 """
 from __future__ import annotations
 
@@ -274,15 +277,21 @@ def main() -> None:
           + ", ".join(f"{name} {value / gib:.2f}" for name, value in measured["phase_peaks"].items()))
     unet_modules = check_lora(out_dir / "bench_lora.safetensors")
     steady = statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
-    summary = {"load_s": measured["load_s"], "first_step_s": steps[0], "step_s": steady,
+    cpu_steady = statistics.median(measured["cpu_steps_s"][1:]) if len(steps) > 1 else float("nan")
+    summary = {"load_s": measured["load_s"], "first_step_s": steps[0], "step_s": steady, "cpu_step_s": cpu_steady,
                "peak_rss_gib": measured["vm_hwm"] / gib, "first_loss": measured["losses"][0]}
     variant = mixed_precision + ("_fp8" if args.fp8_base else "")
     (Path(args.work_dir) / f"result_{variant}.json").write_text(json.dumps({**summary, "args": sys.argv[1:]}))
+    ratio = ""
     if args.fp8_base:
         compare_with_runs_without_fp8(Path(args.work_dir), summary)
+        plain_path = Path(args.work_dir) / f"result_{mixed_precision}.json"
+        plain = json.loads(plain_path.read_text()) if plain_path.is_file() else {}
+        for key, name in (("step_s", "fp8_step_ratio"), ("cpu_step_s", "fp8_cpu_step_ratio")):
+            ratio += f" {name}={summary[key] / plain[key]:.3f}" if key in plain else f" {name}=none"
     print(f"load_s={summary['load_s']:.1f} first_step_s={steps[0]:.1f} step_s={steady:.2f} "
           f"peak_rss_gib={summary['peak_rss_gib']:.2f} first_loss={summary['first_loss']:.6f} "
-          f"unet_modules={unet_modules}")
+          f"unet_modules={unet_modules}{ratio}")
 
 
 def compare_with_runs_without_fp8(work_dir: Path, fp8: dict) -> None:
@@ -297,7 +306,7 @@ def compare_with_runs_without_fp8(work_dir: Path, fp8: dict) -> None:
         print(f"vs --mixed_precision {precision} without fp8: peak_rss_gib {plain['peak_rss_gib']:.2f} -> "
               f"{fp8['peak_rss_gib']:.2f} ({fp8['peak_rss_gib'] - plain['peak_rss_gib']:+.2f}); first_loss "
               f"{plain['first_loss']:.6f} -> {fp8['first_loss']:.6f} (rel diff {relative:+.3%}); step_s "
-              f"{plain['step_s']:.2f} -> {fp8['step_s']:.2f}")
+              f"{plain['step_s']:.2f} -> {fp8['step_s']:.2f} ({fp8['step_s'] / plain['step_s']:.3f}x)")
 
 
 if __name__ == "__main__":

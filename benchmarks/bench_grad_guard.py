@@ -2,11 +2,15 @@
 
 Builds only the gradient shapes (no model): the 722 LoRA modules inside SDXL's
 Transformer2DModels plus CLIP-L and OpenCLIP bigG, each a lora_down [16, in] and
-a lora_up [out, 16]. Prints times as ratios to one ``torch.linalg.vector_norm``
-over a single flat buffer of the same size; the last line is
-``norm_ratio=<x> cosine_ratio=<y> loop_speedup=<z>``.
+a lora_up [out, 16], their gradients views of one flat buffer as the trainer keeps them
+(``library.flat_gradients.FlatGradients``). Prints the guard's measurement (one host sync
+each, as in training) as ratios to one ``torch.linalg.vector_norm`` of that buffer plus
+``.item()``, and what the buffer costs per step (``gather copy``: autograd's separate
+gradients copied into it, one ``_foreach_copy_``); the last line is
+``norm_ratio=<x> cosine_ratio=<y> loop_speedup=<z>`` (also written to ``--json``, which
+``bench_gpu_sdxl.py --summary --guard_json`` reads).
 
-    python benchmarks/bench_grad_guard.py [--repeats 20] [--device cpu|cuda]
+    python benchmarks/bench_grad_guard.py [--repeats 20] [--device cpu|cuda] [--json guard.json]
 """
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
+from library.flat_gradients import FlatGradients  # noqa: E402
 from library.grad_guard import GradientMonitor  # noqa: E402
 
 RANK = 16
@@ -80,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant (median). Default: 20")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device for the tensors. Default: cuda if available, else cpu")
+    parser.add_argument("--json", help="also write the three ratios to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -87,19 +94,21 @@ def main() -> None:
     unet_modules = sum(models * (2 + layers * 10) for _, layers, models in SDXL_TRANSFORMER_LEVELS)
     shapes = lora_gradient_shapes()
     generator = torch.Generator(device="cpu").manual_seed(0)
-    parameters = []
-    for shape in shapes:
-        parameter = torch.nn.Parameter(torch.empty(shape, device=device))
-        parameter.grad = torch.randn(shape, generator=generator).to(device)
-        parameters.append(parameter)
-    total = sum(p.numel() for p in parameters)
-    flat = torch.randn(total, generator=generator).to(device)
+    parameters = [torch.nn.Parameter(torch.empty(shape, device=device)) for shape in shapes]
+    gradients = FlatGradients(parameters)
+    total = gradients.numel
+    flat = gradients.flat
+    flat.copy_(torch.randn(total, generator=generator))
+    for parameter, view in zip(parameters, gradients.views):
+        parameter.grad = view  # as after FlatGradients.gather()
+    gradients.gather()
     grads = [p.grad for p in parameters]
+    separate = [torch.randn(p.shape, generator=generator).to(device) for p in parameters]
     print(f"device={device} threads={torch.get_num_threads()} unet_lora_modules={unet_modules} "
           f"tensors={len(shapes)} values={total} ({total * 4 / 2**20:.0f} MiB fp32)")
 
-    norm_monitor = GradientMonitor(parameters)
-    cosine_monitor = GradientMonitor(parameters, cosine=True)
+    norm_monitor = GradientMonitor(gradients)
+    cosine_monitor = GradientMonitor(gradients, cosine=True)
     cosine_monitor.measure()  # steady state: a previous gradient exists
 
     variants = {
@@ -107,6 +116,8 @@ def main() -> None:
         "guard norm": norm_monitor.measure,
         "guard norm + cosine": cosine_monitor.measure,
         "python loop": lambda: torch.sqrt(sum((g * g).sum() for g in grads)).item(),
+        # what FlatGradients.gather adds per step: autograd's separate gradients copied into the buffer
+        "gather copy": lambda: (torch._foreach_copy_(gradients.views, separate), synchronize()),
     }
     timings = {name: time_seconds(function, args.repeats, synchronize) for name, function in variants.items()}
     baseline_min_s, baseline_median_s = timings["flat vector_norm"]
@@ -115,9 +126,12 @@ def main() -> None:
               f"median {median_s * 1e3:8.2f} ms ({median_s / baseline_median_s:5.2f}x)")
     # Ratios of the minimum times: the least disturbed run of each variant on a shared machine.
     best = {name: min_s for name, (min_s, _) in timings.items()}
-    print(f"norm_ratio={best['guard norm'] / best['flat vector_norm']:.2f} "
-          f"cosine_ratio={best['guard norm + cosine'] / best['flat vector_norm']:.2f} "
-          f"loop_speedup={best['python loop'] / best['guard norm']:.2f}")
+    ratios = {"norm_ratio": best["guard norm"] / best["flat vector_norm"],
+              "cosine_ratio": best["guard norm + cosine"] / best["flat vector_norm"],
+              "loop_speedup": best["python loop"] / best["guard norm"]}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(device), **ratios}))
+    print(" ".join(f"{key}={value:.2f}" for key, value in ratios.items()))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from library.errors import UserError
 # dest -> why it cannot be honoured here (the whole error after the flag). Refused only when set.
 UNSUPPORTED: dict[str, str] = {
     "deepspeed": "DeepSpeed is not supported here; multi-GPU runs use accelerate launch or torchrun",
-    "torch_compile": "torch.compile is not supported here",
     "huggingface_repo_id": "uploading to the Hugging Face Hub is not supported; upload the output files yourself",
     "save_state_to_huggingface": "uploading to the Hugging Face Hub is not supported",
     "resume_from_huggingface": "resuming from the Hugging Face Hub is not supported; download the state and "
@@ -74,11 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --gradient_checkpointing, keep the activations the UNet's backward needs (the checkpointed "
              "blocks' inputs) in pinned CPU memory instead of on the GPU: less GPU memory, some transfer time. "
              "No memory saved on CPU. Default: off")
-    for flag in ("--deepspeed", "--torch_compile", "--save_state_to_huggingface", "--resume_from_huggingface"):
+    for flag in ("--deepspeed", "--save_state_to_huggingface", "--resume_from_huggingface"):
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)
-    inert("--dynamo_backend", "--torch_compile", type=str, default="inductor")
     inert("--zero_stage", "--deepspeed", type=int, default=2)
     for flag in ("--offload_optimizer_device", "--offload_optimizer_nvme_path", "--offload_param_device",
                  "--offload_param_nvme_path"):

@@ -26,7 +26,9 @@ function that upcasts the weight to the compute dtype for that call only. It sav
 weight for backward, not the upcast copy, and upcasts again there: no upcast copy outlives a
 layer call, with or without gradient checkpointing. (kohya leaves the upcast to autocast, whose
 copies are kept for backward; without checkpointing that holds a compute-dtype copy of every
-weight until the backward pass.)
+weight until the backward pass.) On the CPU the upcast rearranges
+the float8 bits with integer operations (see ``_dequantize``): torch's float8 conversion there
+is scalar code that made a full-size SDXL step 6x slower than without fp8.
 
 diffusers' ``apply_layerwise_casting`` is not used: its hook casts the layer's parameters in
 place (``module.to(compute)`` before forward, back to storage after). Autograd may have saved the
@@ -181,10 +183,30 @@ def _quantize(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return stored
 
 
+# dtype -> (left shift, mask, exponent offset) that turn float8_e4m3fn bits, sign-extended to int16,
+# into the bits of the same value times 2**-offset in dtype: the 4 exponent and 3 mantissa bits
+# move to the top of dtype's exponent and mantissa fields, the sign to bit 15 (the mask clears the
+# sign extension's copies in between). Exponent bias 7 becomes 127 (bf16) or 15 (fp16), hence the
+# offset; float8 subnormals land on dtype subnormals of the same offset. Every finite float8 value
+# is exact (e4m3fn's NaN codes are never stored: _quantize clamps).
+_FLOAT8_BITS = {torch.bfloat16: (4, -30721, 120), torch.float16: (7, -16512, 8)}  # masks 0x87FF, 0xBF80
+
+
 def _dequantize(weight: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    # One copy in dtype, scaled in place (float8 values are exact in fp16/bf16; the product is
-    # rounded once).
-    return weight.to(dtype).mul_(scale)
+    """``weight`` (float8) times ``scale`` in ``dtype``: one copy, scaled in place (float8 values are
+    exact in fp16/bf16; the product is rounded once, in float32, as ``dtype``'s multiply does).
+
+    On the CPU torch's float8 conversion is scalar code (~50x slower than a copy), so the bits are
+    rearranged with three vectorised integer passes instead and the offset is folded into the
+    scale: the same values, bit for bit."""
+    bits = _FLOAT8_BITS.get(dtype) if weight.device.type == "cpu" else None
+    if bits is None or not scale * 2.0 ** bits[2] < 2.0 ** 127:  # the folded factor must stay a float32
+        return weight.to(dtype).mul_(scale)
+    shift, mask, offset = bits
+    upcast = weight.view(torch.int8).to(torch.int16)
+    upcast <<= shift
+    upcast &= mask
+    return upcast.view(dtype).mul_(scale * 2.0 ** offset)
 
 
 def move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from library.datasets.dataset import collate_single_batch
+from library.flat_gradients import FlatGradients
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -86,33 +87,26 @@ def train_loader(dataset: torch.utils.data.Dataset, sampler: ShardSampler, num_w
     )
 
 
-def sum_gradients_across_processes(parameters: list[torch.Tensor]) -> None:
-    """Replace every ``.grad`` by its sum over all processes, with one all-reduce of a flat buffer.
+def sum_gradients_across_processes(gradients: FlatGradients) -> None:
+    """Gather the step's gradients into the flat buffer (``FlatGradients.gather``), then replace them by
+    their sum over all processes with one all-reduce of it. A parameter keeps ``.grad`` None only
+    when no process computed a gradient for it.
 
     The trainer does this itself instead of wrapping the network in DDP: the LoRA network's
     own forward is never called (its modules hook into the UNet), and the loss is already a
     global sum over the denominator of all processes, so a plain SUM is the exact gradient.
     """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    if torch.distributed.get_world_size() == 1:
+    gradients.gather()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
         return
     # One flag per parameter travels in the same buffer: a parameter without a gradient on every
     # process (e.g. DyLoRA's rank slices not drawn this step) must stay None, as in a 1-process
-    # run, where optimizers skip it (a zero gradient would still move AdamW's moments).
-    grads, has_grad = [], []
-    for parameter in parameters:
-        has_grad.append(parameter.grad is not None)
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        grads.append(parameter.grad)
-    flags = torch.tensor(has_grad, dtype=grads[0].dtype, device=grads[0].device)
-    flat = torch.cat([grad.reshape(-1) for grad in grads] + [flags])
-    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-    summed = flat[:-len(grads)]
-    torch._foreach_copy_(grads, [part.view_as(grad) for part, grad in zip(summed.split([g.numel() for g in grads]), grads)])
-    if all(has_grad):  # then no parameter can lack a gradient everywhere: no flag to read (no host sync)
+    # run, where optimizers skip it (a zero gradient would still move AdamW's moments). A missing
+    # gradient is zero in the buffer, so the sum is right for the others.
+    everywhere_here = gradients.all_have_gradients()
+    flags = gradients.gradient_flags()
+    torch.distributed.all_reduce(gradients.flat_with_flags(), op=torch.distributed.ReduceOp.SUM)
+    if everywhere_here:  # then every parameter has a gradient: no flag to read (no host sync)
         return
-    for parameter, processes_with_grad in zip(parameters, flat[-len(grads):].tolist()):
-        if not processes_with_grad:
-            parameter.grad = None
+    gradients.attach_received(flags.tolist())

@@ -38,6 +38,21 @@ def small_model() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("scale", [1.0, 0.0123, 3.7e-5, 2.5, 300.0])
+def test_upcast_equals_torchs_float8_conversion_bit_for_bit(precision, scale):
+    """Every finite float8 value times the layer's scale, as the layer computes with it (the CPU
+    rearranges bits instead of calling torch's scalar conversion) equals the plain cast and multiply."""
+    compute_dtype = PRECISIONS[precision]
+    codes = torch.arange(256, dtype=torch.uint8).view(FLOAT8)
+    layer = torch.nn.Linear(len(codes), 1, bias=False)
+    layer.weight = torch.nn.Parameter(codes[~codes.float().isnan()].reshape(1, -1), requires_grad=False)
+    layer.float8_scale = scale
+    expected = layer.weight.to(compute_dtype).mul_(scale)
+    upcast = fp8_base.frozen_weight(layer, compute_dtype)
+    assert upcast.dtype == compute_dtype and torch.equal(upcast.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_stored_layers_compute_like_their_rounded_weights(precision, checkpointed):
     """Outputs and gradients (input and a float32 LoRA around a stored layer) equal those of the

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,15 @@ def test_build_clip_tokenizers_from_pypi_wheel(tmp_path):
         assert tokenizer("a photo of a cat").input_ids == bct.CHECK_IDS
     assert tokenizers[1]("hi!!").input_ids == tokenizers[0]("hi!!").input_ids
     assert tokenizers[1].pad_token_id == 0 and tokenizers[0].pad_token_id == 49407
+    # kohya's own trainer pins transformers 4, whose CLIPTokenizer reads vocab.json and merges.txt only
+    from transformers import CLIPTokenizer
+
+    for folder in written.values():
+        legacy = tmp_path / "legacy" / folder.name
+        legacy.mkdir(parents=True)
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copyfile(folder / name, legacy / name)
+        assert CLIPTokenizer.from_pretrained(legacy)("a photo of a cat").input_ids == bct.CHECK_IDS
 
 
 def test_lowram_and_highvram_parse_and_keep_cpu_loading_on_cpu():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,8 @@ def build_clip_tokenizers(out_dir: str | Path, bpe_gz: str | Path | None = None,
             if ids != CHECK_IDS:  # a wrong rule would silently give a different model input
                 raise RuntimeError(f"built tokenizer gives {ids} for {CHECK_TEXT!r}, expected {CHECK_IDS}")
             tokenizer.save_pretrained(out_dir / folder_name)
+            for name in ("vocab.json", "merges.txt"):  # what kohya's transformers 4 pin reads (v5 writes only tokenizer.json)
+                shutil.copyfile(raw / name, out_dir / folder_name / name)
             written[folder_name] = out_dir / folder_name
     return written
 
