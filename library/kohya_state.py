@@ -22,8 +22,10 @@ history (kohya has none).
 Parameter order: kohya builds its network on its own UNet classes, which register a transformer
 block's feed-forward between its two attentions (diffusers: after them) and, for SDXL, number blocks
 in the original layout (a down block's resnet before its attention). Checked against kohya's
-optimizer states for LoRA, LoCon, LoRA-FA, DyLoRA and OFT on SD 1.x; SDXL follows the same rule,
-read from kohya's sdxl_original_unet.
+optimizer states for LoRA, LoCon, LoRA-FA, DyLoRA and OFT on SD 1.x and LoRA on full-size SDXL. kohya's
+LoRA networks put both SDXL text encoders into one group (this trainer: one per encoder, for
+``--text_encoder_lr`` with two values): its groups and its schedule's per-group lists are mapped onto
+ours (:func:`kohya_groups`).
 """
 from __future__ import annotations
 
@@ -96,30 +98,76 @@ def kohya_parameter_order(network: torch.nn.Module, group_params: list[list[torc
     return ordered
 
 
-def optimizer_state_in_our_order(optimizer: torch.optim.Optimizer, network: torch.nn.Module,
-                                 kohya_state: dict[str, Any]) -> dict[str, Any]:
-    """kohya's ``optimizer.state_dict()`` renumbered for ``optimizer`` (same groups, this trainer's order).
-    ValueError naming the difference when the groups or the parameters' shapes do not match."""
+def kohya_groups(optimizer: torch.optim.Optimizer, network: torch.nn.Module, kohya_sizes: list[int]
+                 ) -> list[list[int]]:
+    """kohya's parameter groups as lists of this optimizer's group indices. kohya's SD/SDXL networks put
+    the modules of both SDXL text encoders into one group (a second for their LoRA+ parts), where this
+    trainer has groups per encoder; otherwise the groups are the same. ValueError naming the sizes when
+    neither grouping has kohya's sizes."""
     groups = optimizer.param_groups
-    kohya_groups = kohya_state["param_groups"]
-    sizes, kohya_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in kohya_groups]
-    if sizes != kohya_sizes:
-        raise ValueError(f"parameter groups of {kohya_sizes} parameters, this run has {sizes}")
+    sizes = [len(group["params"]) for group in groups]
+    encoder_of = {id(p): lora.lora_name.split("_")[1] for lora in network.text_encoder_loras for p in lora.parameters()}
+    per_encoder: dict[str, list[int]] = {}
+    rest = []
+    for index, group in enumerate(groups):
+        encoder = encoder_of.get(id(group["params"][0]))
+        if encoder is None:
+            rest.append([index])
+        else:
+            per_encoder.setdefault(encoder, []).append(index)
+    candidates = [[[index] for index in range(len(groups))]]
+    if len(per_encoder) > 1 and len({len(indices) for indices in per_encoder.values()}) == 1:
+        candidates.append([list(indices) for indices in zip(*per_encoder.values())] + rest)
+    for candidate in candidates:
+        if [sum(sizes[index] for index in members) for members in candidate] == kohya_sizes:
+            return candidate
+    raise ValueError(f"parameter groups of {kohya_sizes} parameters, this run has {sizes}")
+
+
+def optimizer_state_in_our_order(optimizer: torch.optim.Optimizer, network: torch.nn.Module,
+                                 kohya_state: dict[str, Any], mapping: Optional[list[list[int]]] = None
+                                 ) -> dict[str, Any]:
+    """kohya's ``optimizer.state_dict()`` renumbered for ``optimizer`` (its groups mapped by ``mapping``,
+    by default :func:`kohya_groups`; this trainer's order). ValueError naming the difference when the
+    groups or the parameters' shapes do not match."""
+    groups = optimizer.param_groups
+    kohya_param_groups = kohya_state["param_groups"]
+    if mapping is None:
+        mapping = kohya_groups(optimizer, network, [len(group["params"]) for group in kohya_param_groups])
     ours = optimizer.state_dict()
     our_index = {id(p): index for group, saved in zip(groups, ours["param_groups"])
                  for p, index in zip(group["params"], saved["params"])}
-    kohya_order = kohya_parameter_order(network, [group["params"] for group in groups])
+    kohya_order = kohya_parameter_order(
+        network, [[p for index in members for p in groups[index]["params"]] for members in mapping])
     state = {}
-    for params, kohya_group in zip(kohya_order, kohya_groups):
+    for params, kohya_group in zip(kohya_order, kohya_param_groups):
         for parameter, kohya_index in zip(params, kohya_group["params"]):
             values = kohya_state["state"].get(kohya_index)
             if values is None:
                 continue
             state[our_index[id(parameter)]] = {name: _shaped(value, parameter, f"{name} of parameter {kohya_index}")
                                                for name, value in values.items()}
-    param_groups = [{**kohya_group, "params": saved["params"]}
-                    for kohya_group, saved in zip(kohya_groups, ours["param_groups"])]
+    kohya_group_of = _kohya_group_of(mapping)
+    param_groups = [{**kohya_param_groups[kohya_group_of[index]], "params": saved["params"]}
+                    for index, saved in enumerate(ours["param_groups"])]
     return {"state": state, "param_groups": param_groups}
+
+
+def scheduler_state_in_our_order(state: dict[str, Any], mapping: list[list[int]]) -> dict[str, Any]:
+    """kohya's LR schedule state for this optimizer's groups: its per-group lists (``base_lrs``,
+    ``_last_lr``, ``lr_lambdas``, ...) repeated for the groups :func:`kohya_groups` mapped together.
+    ValueError when its group count is not kohya's optimizer's."""
+    kohya_group_of = _kohya_group_of(mapping)
+    if len(state.get("base_lrs", mapping)) != len(mapping):
+        raise ValueError(f"the schedule has {len(state['base_lrs'])} parameter groups, kohya's optimizer "
+                         f"{len(mapping)}")
+    return {key: [value[k] for k in kohya_group_of] if isinstance(value, list) and len(value) == len(mapping)
+            else value for key, value in state.items()}
+
+
+def _kohya_group_of(mapping: list[list[int]]) -> list[int]:
+    """For each of this optimizer's groups, the kohya group holding it."""
+    return [k for _, k in sorted((index, k) for k, members in enumerate(mapping) for index in members)]
 
 
 def _shaped(value: Any, parameter: torch.nn.Parameter, what: str) -> Any:
@@ -142,21 +190,29 @@ def restore(path: Path, network: torch.nn.Module, components: dict[str, Any], de
     network.to(device)
     restored, missed = ["LoRA weights"], []
     optimizer = components.get("optimizer")
+    mapping = None  # kohya's groups as ours (kohya_groups), once its optimizer state fits
     if optimizer is not None and (path / OPTIMIZER_FILE).is_file():
         kohya_optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         try:
-            optimizer.load_state_dict(optimizer_state_in_our_order(optimizer, network, kohya_optimizer))
+            kohya_sizes = [len(group["params"]) for group in kohya_optimizer["param_groups"]]
+            groups = kohya_groups(optimizer, network, kohya_sizes)
+            optimizer.load_state_dict(optimizer_state_in_our_order(optimizer, network, kohya_optimizer, groups))
+            mapping = groups
             restored.append(f"{type(optimizer).__name__} state")
         except (ValueError, KeyError, RuntimeError) as error:
             missed.append(f"the optimizer state ({first_line(error)}: were --network_args, --unet_lr, "
                           f"--text_encoder_lr or --optimizer_type different?)")
     scheduler = components.get("lr_scheduler")
     if scheduler is not None and (path / SCHEDULER_FILE).is_file():
-        try:
-            scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False))
-            restored.append("LR schedule")
-        except (ValueError, KeyError, RuntimeError, TypeError) as error:
-            missed.append(f"the LR schedule ({first_line(error)})")
+        if mapping is None:  # its per-group learning rates would land on other groups
+            missed.append("the LR schedule (it goes with the optimizer state)")
+        else:
+            try:
+                scheduler.load_state_dict(scheduler_state_in_our_order(
+                    torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False), mapping))
+                restored.append("LR schedule")
+            except (ValueError, KeyError, RuntimeError, TypeError) as error:
+                missed.append(f"the LR schedule ({first_line(error)})")
     scaler = components.get("loss_scaler")
     if scaler is not None and (path / SCALER_FILE).is_file():
         scale = float(torch.load(path / SCALER_FILE, map_location="cpu", weights_only=False)["scale"])

@@ -137,3 +137,77 @@ def test_a_kohya_state_of_another_network_is_refused(runs, tiny_models, demo_dat
     argv[argv.index("--network_dim") + 1] = "8"
     error = train_expecting_user_error(argv, capsys, script="train_network")
     assert error.startswith(f"error: --resume {kohya} (model.safetensors): ") and "--network_dim" in error
+
+
+SDXL_ARGS = ["--network_module", "networks.lora", "--network_dim", "4", "--optimizer_type", "AdamW",
+             "--learning_rate", "2e-3", "--unet_lr", "2e-3", "--text_encoder_lr", "1e-3", "--lr_scheduler", "cosine",
+             "--lr_warmup_steps", "1", "--max_train_steps", "4", "--seed", "5"]
+
+
+def sdxl_train_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    return model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--max_data_loader_n_workers", "0", *SDXL_ARGS, *extra]
+
+
+def write_kohya_sdxl_state(ours: Path, kohya: Path, encoder_modules: list[list[str]], unet_modules: list[str]) -> None:
+    """One of our SDXL states (groups: text encoder 1, text encoder 2, UNet) in kohya's format, as kohya's
+    own SDXL trainer writes it (seen in its optimizer.bin and scheduler.bin at full size): both text
+    encoders' modules in one group, then the UNet's in kohya's module order; the schedule's per-group
+    lists with one entry per kohya group."""
+    kohya.mkdir(parents=True)
+    save_file(load_file(ours / "lora.safetensors"), kohya / "model.safetensors")
+    components = torch.load(ours / "components.pt", weights_only=False)
+    optimizer = components["optimizer"]
+    assert len(optimizer["param_groups"]) == 3
+
+    def parameter_names(modules: list[str]) -> list[str]:
+        return [f"{module}.{part}" for module in modules for part in ("lora_down", "lora_up")]
+
+    ours_index = {}
+    for group, modules in zip(optimizer["param_groups"], [*encoder_modules, unet_modules]):
+        ours_index.update(zip(parameter_names(modules), group["params"]))
+    kohya_groups = [(parameter_names(encoder_modules[0] + encoder_modules[1]), optimizer["param_groups"][0]),
+                    (parameter_names(kohya_state.kohya_module_order(unet_modules)), optimizer["param_groups"][2])]
+    renumbered, groups, first = {}, [], 0
+    for names, group in kohya_groups:
+        for offset, name in enumerate(names):
+            if ours_index[name] in optimizer["state"]:
+                renumbered[first + offset] = optimizer["state"][ours_index[name]]
+        groups.append({**group, "params": list(range(first, first + len(names)))})
+        first += len(names)
+    torch.save({"state": renumbered, "param_groups": groups}, kohya / "optimizer.bin")
+    scheduler = {key: [value[0], value[2]] if isinstance(value, list) and len(value) == 3 else value
+                 for key, value in components["lr_scheduler"].items()}
+    torch.save(scheduler, kohya / "scheduler.bin")
+    (kohya / "train_state.json").write_text(json.dumps({"current_epoch": 1, "current_step": 2}))
+
+
+def test_an_sdxl_kohya_state_with_both_text_encoders_in_one_group_continues_as_our_own(
+        tiny_models, demo_dataset, tmp_path, capsys):
+    """kohya's SDXL LoRA puts both text encoders into one optimizer group (learned from its own state at
+    full size); this trainer has one per encoder. The groups and the schedule map onto ours: the continued
+    run ends with the uninterrupted run's bytes (text encoders and UNet at different learning rates)."""
+    import sdxl_train_network
+    from library import model_loading
+    from networks import registry
+
+    run_trainer("sdxl_train_network", sdxl_train_args(tiny_models, demo_dataset, tmp_path / "ours", "--save_state",
+                                                      "--save_every_n_steps", "2"))
+    models = model_loading.load_models(tiny_models["sdxl_file"], sdxl=True, model_config_dir=tiny_models["sdxl_config"])
+    network = registry.network_type("networks.lora").create_network(
+        1.0, 4, 1.0, None, models.text_encoders, models.unet,
+        unet_module_names=sdxl_train_network.SdxlNetworkTrainer().unet_module_names(models))
+    network.apply_to()
+    encoders = [[module.lora_name for module in modules] for modules in network.text_encoder_groups()]
+    kohya = tmp_path / "kohya" / "k-step00000002-state"
+    write_kohya_sdxl_state(tmp_path / "ours" / "last-step00000002-state", kohya, encoders,
+                           [module.lora_name for module in network.unet_loras])
+    capsys.readouterr()
+    run_trainer("sdxl_train_network", sdxl_train_args(tiny_models, demo_dataset, tmp_path / "resumed", "--resume",
+                                                      str(kohya), "--skip_until_initial_step"))
+    assert "kohya-ss state at step 2: restored LoRA weights, AdamW state, LR schedule;" in capsys.readouterr().out
+    uninterrupted = lora.read_lora_file(str(tmp_path / "ours" / "last.safetensors"))
+    resumed = lora.read_lora_file(str(tmp_path / "resumed" / "last.safetensors"))
+    assert uninterrupted.keys() == resumed.keys() and any(key.startswith("lora_te2_") for key in resumed)
+    assert all(torch.equal(uninterrupted[key], resumed[key]) for key in uninterrupted)
