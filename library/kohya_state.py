@@ -45,7 +45,7 @@ OPTIMIZER_FILE = "optimizer.bin"
 SCHEDULER_FILE = "scheduler.bin"
 SCALER_FILE = "scaler.pt"
 
-_SGM_BLOCK = re.compile(r"^lora_unet_(input_blocks|middle_block|output_blocks)_(?:(\d+)_)?(\d+)_")
+_SGM_BLOCK = re.compile(r"^[a-z]+_unet_(input_blocks|middle_block|output_blocks)_(?:(\d+)_)?(\d+)_")  # lora_, oft_
 _SGM_SECTIONS = {"input_blocks": 0, "middle_block": 1, "output_blocks": 2}
 _TRANSFORMER_CHILD = re.compile(r"^(.*_transformer_blocks_\d+_)(attn1|ff|attn2)_")
 _KOHYA_CHILD_RANK = {"attn1": 0, "ff": 1, "attn2": 2}

@@ -111,6 +111,11 @@ def test_kohya_module_order_matches_kohyas_optimizer_states():
         "lora_unet_input_blocks_4_1_proj_in", "lora_unet_input_blocks_5_0_in_layers_2",
         "lora_unet_input_blocks_5_1_proj_in", "lora_unet_input_blocks_6_0_op", "lora_unet_middle_block_0_in_layers_2",
         "lora_unet_middle_block_1_proj_in", "lora_unet_middle_block_2_in_layers_2"]
+    # kohya's OFT (prefix oft_unet_) the same way: diffusers registers the up blocks before the middle block
+    oft = ["oft_unet_input_blocks_8_1_transformer_blocks_9_attn2_to_out_0",
+           "oft_unet_output_blocks_0_1_transformer_blocks_0_attn1_to_q",
+           "oft_unet_middle_block_1_transformer_blocks_0_attn1_to_q"]
+    assert kohya_state.kohya_module_order(oft) == [oft[0], oft[2], oft[1]]
 
 
 def test_continuing_a_kohya_state_is_continuing_our_own(runs, tiny_models, demo_dataset, capsys):
