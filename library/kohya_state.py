@@ -22,10 +22,11 @@ history (kohya has none).
 Parameter order: kohya builds its network on its own UNet classes, which register a transformer
 block's feed-forward between its two attentions (diffusers: after them) and, for SDXL, number blocks
 in the original layout (a down block's resnet before its attention). Checked against kohya's
-optimizer states for LoRA, LoCon, LoRA-FA, DyLoRA and OFT on SD 1.x and LoRA on full-size SDXL. kohya's
-LoRA networks put both SDXL text encoders into one group (this trainer: one per encoder, for
-``--text_encoder_lr`` with two values): its groups and its schedule's per-group lists are mapped onto
-ours (:func:`kohya_groups`).
+optimizer states for LoRA, LoCon, LoRA-FA, DyLoRA and OFT on SD 1.x and LoRA, LoRA-FA and OFT
+on full-size SDXL. kohya's LoRA networks put both SDXL text encoders into one group (this trainer:
+one per encoder, for ``--text_encoder_lr`` with two values): its groups and its schedule's
+per-group lists are mapped onto ours (:func:`kohya_groups`). kohya's SDXL DyLoRA names both text
+encoders' modules alike (``lora_te_``), so only its UNet-only states fit.
 """
 from __future__ import annotations
 
