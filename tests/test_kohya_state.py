@@ -52,20 +52,32 @@ def write_kohya_state(ours: Path, kohya: Path, step: int, epoch: int) -> None:
     components = torch.load(ours / "components.pt", weights_only=False)
     optimizer = components["optimizer"]
     # our parameter numbers -> kohya's: module by module in kohya's order (lora_down, then lora_up)
-    renumbered, groups, first = {}, [], 0
+    ours_index, kohya_groups = {}, []
     for group, module_names in zip(optimizer["param_groups"], GROUP_MODULES):
-        kohya_names = kohya_order(module_names)
-        ours_index = {name: index for name, index in zip(
-            [f"{m}.{p}" for m in module_names for p in ("down", "up")], group["params"])}
-        kohya_params = [f"{m}.{p}" for m in kohya_names for p in ("down", "up")]
-        for offset, name in enumerate(kohya_params):
-            if ours_index[name] in optimizer["state"]:
-                renumbered[first + offset] = optimizer["state"][ours_index[name]]
-        groups.append({**group, "params": list(range(first, first + len(kohya_params)))})
-        first += len(kohya_params)
-    torch.save({"state": renumbered, "param_groups": groups}, kohya / "optimizer.bin")
+        ours_index.update(zip(parameter_names(module_names), group["params"]))
+        kohya_groups.append((parameter_names(kohya_order(module_names)), group))
+    save_kohya_optimizer(optimizer, ours_index, kohya_groups, kohya / "optimizer.bin")
     torch.save(components["lr_scheduler"], kohya / "scheduler.bin")
     (kohya / "train_state.json").write_text(json.dumps({"current_epoch": epoch, "current_step": step}))
+
+
+def parameter_names(modules: list[str]) -> list[str]:
+    """The parameters of LoRA modules in registration order (down, then up)."""
+    return [f"{module}.{part}" for module in modules for part in ("lora_down", "lora_up")]
+
+
+def save_kohya_optimizer(optimizer: dict, ours_index: dict[str, int], kohya_groups: list[tuple[list[str], dict]],
+                         path: Path) -> None:
+    """Our optimizer state numbered as kohya numbers it: ``kohya_groups`` in order, each its parameter names
+    in kohya's order with the settings of its group (``ours_index``: name -> our parameter number)."""
+    renumbered, groups, first = {}, [], 0
+    for names, group in kohya_groups:
+        for offset, name in enumerate(names):
+            if ours_index[name] in optimizer["state"]:
+                renumbered[first + offset] = optimizer["state"][ours_index[name]]
+        groups.append({**group, "params": list(range(first, first + len(names)))})
+        first += len(names)
+    torch.save({"state": renumbered, "param_groups": groups}, path)
 
 
 GROUP_MODULES: list[list[str]] = []  # per optimizer group, its modules in our order (filled by the fixture)
@@ -166,22 +178,12 @@ def write_kohya_sdxl_state(ours: Path, kohya: Path, encoder_modules: list[list[s
     optimizer = components["optimizer"]
     assert len(optimizer["param_groups"]) == 3
 
-    def parameter_names(modules: list[str]) -> list[str]:
-        return [f"{module}.{part}" for module in modules for part in ("lora_down", "lora_up")]
-
     ours_index = {}
     for group, modules in zip(optimizer["param_groups"], [*encoder_modules, unet_modules]):
         ours_index.update(zip(parameter_names(modules), group["params"]))
     kohya_groups = [(parameter_names(encoder_modules[0] + encoder_modules[1]), optimizer["param_groups"][0]),
                     (parameter_names(kohya_state.kohya_module_order(unet_modules)), optimizer["param_groups"][2])]
-    renumbered, groups, first = {}, [], 0
-    for names, group in kohya_groups:
-        for offset, name in enumerate(names):
-            if ours_index[name] in optimizer["state"]:
-                renumbered[first + offset] = optimizer["state"][ours_index[name]]
-        groups.append({**group, "params": list(range(first, first + len(names)))})
-        first += len(names)
-    torch.save({"state": renumbered, "param_groups": groups}, kohya / "optimizer.bin")
+    save_kohya_optimizer(optimizer, ours_index, kohya_groups, kohya / "optimizer.bin")
     scheduler = {key: [value[0], value[2]] if isinstance(value, list) and len(value) == 3 else value
                  for key, value in components["lr_scheduler"].items()}
     torch.save(scheduler, kohya / "scheduler.bin")
