@@ -1,8 +1,11 @@
 """DyLoRA (kohya's ``networks.dylora``): a LoRA trained so that its first ranks work on their own.
 
-Each training forward draws a rank ``b`` (a multiple of ``unit`` below ``dim``, Python's
-``random``, so runs and resumes are reproducible); only rows ``b .. b+unit-1`` of down and
-columns of up receive gradients (the other rank slices are frozen for that step, as in kohya),
+Each training forward draws a rank ``b`` (a multiple of ``unit`` below ``dim``) from torch's CPU
+generator, which is in the run's state (runs and resumes are reproducible) and which gradient
+checkpointing restores before it recomputes a block, so the recomputation draws the same rank
+(kohya draws from Python's ``random``: with checkpointing, its backward uses another rank's scale
+than its forward, 0.04 apart in the weights after 3 steps on the tiny SDXL); only rows
+``b .. b+unit-1`` of down and columns of up receive gradients (the other rank slices are frozen for that step, as in kohya),
 and the output is scaled by ``sqrt(dim / (b + unit))``. In eval mode (sampling, validation) the
 module is a plain LoRA at full rank. Files are plain LoRA files: ``lora_down.weight`` (rank, in)
 or (rank, in, kh, kw), ``lora_up.weight`` (out, rank) or (out, rank, 1, 1), ``alpha``; smaller
@@ -16,7 +19,6 @@ defaults break) and ``conv_alpha`` is used for 3x3 convs (kohya ignores it).
 from __future__ import annotations
 
 import math
-import random
 from typing import Mapping, Optional
 
 import torch
@@ -63,7 +65,7 @@ class DyLoRAModule(AdapterModule):
         org_out = self.org_forward(x)
         factor = 1.0
         if self.training:
-            trainable = random.randint(0, self.lora_dim - 1)
+            trainable = int(torch.randint(self.lora_dim, ()))
             trainable -= trainable % self.unit
             for index, (down, up) in enumerate(zip(self.lora_A, self.lora_B)):
                 train = trainable <= index < trainable + self.unit

@@ -13,7 +13,6 @@ comparison pinned down, written out here from kohya's formulas."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -218,9 +217,10 @@ def test_modules_compute_what_kohyas_modules_compute(variant, trained, sd15):
 
 
 def test_dylora_training_forward_draws_kohyas_rank(trained, sd15):
-    """kohya's DyLoRA forward draws b = random.randint(0, r - 1) rounded down to a multiple of ``unit`` from Python's
-    random (the harness matched kohya's training-mode UNet output under the same seed) and scales the whole LoRA
-    by sqrt(r / (b + unit)); kohya has no eval mode, ours is its b = r - unit case (factor 1)."""
+    """kohya's DyLoRA forward draws b uniformly in [0, r - 1] rounded down to a multiple of ``unit`` (the harness
+    matched kohya's training-mode UNet output under the same draw) and scales the whole LoRA by sqrt(r / (b + unit));
+    kohya has no eval mode, ours is its b = r - unit case (factor 1). kohya draws from Python's random, ours from
+    torch's CPU generator, which gradient checkpointing restores for the recomputation."""
     path = trained("dylora")
     network = registry.network_from_file(str(path), sd15.text_encoders, sd15.unet, None, "--network_weights")
     network.apply_to()
@@ -234,10 +234,10 @@ def test_dylora_training_forward_draws_kohyas_rank(trained, sd15):
     try:
         network.train()
         for seed in range(4):
-            random.seed(seed)
-            drawn = random.randint(0, rank - 1)
+            torch.manual_seed(seed)
+            drawn = int(torch.randint(rank, ()))
             drawn -= drawn % unit
-            random.seed(seed)
+            torch.manual_seed(seed)
             with torch.no_grad():
                 output = wrapped(x)
             expected = layer(wrapped, wrapped.weight, x) + low_rank * math.sqrt(rank / (drawn + unit))
