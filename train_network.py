@@ -239,9 +239,9 @@ class Optimization:
     injections: dict[int, fault_injection.Injection]
     ema: Optional[ema.LoraEma] = None
 
-    def unscaled(self, measured: grad_guard.GradientMeasurement, args: argparse.Namespace) -> float:
+    def unscaled(self, measured: grad_guard.GradientMeasurement) -> float:
         """The measured norm without the loss scale (what the runaway test compares across scale changes)."""
-        if self.scaler is None or args.grad_norm_unscaled or not measured.scale:
+        if self.scaler is None or self.monitor.unscaled or not measured.scale:
             return measured.norm
         return measured.norm / measured.scale
 
@@ -543,7 +543,7 @@ class NetworkTrainer:
         decision = optimization.guard.decide(step, measured.norm, optimization.agree)
         outcome = healing.StepOutcome(
             step, healing.WindowSamples.outcomes(measured.riders, run.data.dataset.image_index_of), measured.loss,
-            optimization.unscaled(measured, args), has_scaler=scaler is not None)
+            optimization.unscaled(measured), has_scaler=scaler is not None)
         verdict = optimization.healer.assess(outcome)
         if verdict.problem == "non-finite loss" and not verdict.rewind and not weights_finite(run.network):
             verdict = optimization.healer.weights_diverged(verdict)
@@ -584,7 +584,7 @@ class NetworkTrainer:
                           count=("train/quarantined_samples", len(healer.quarantine)),
                           fields={"file": entry.file, "caption": entry.caption, "reason": entry.reason})
         run.data.quarantined = healer.quarantined_images
-        if verdict.report and run.args.nan_report:
+        if verdict.report and healer.config.nan_report:
             self.write_nan_report(run, result, window)
         if verdict.stop:
             run.stopped = f"step {result.step}: {verdict.stop_reason}"

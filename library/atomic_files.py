@@ -25,10 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
-from library.errors import DiskFull
+from library.errors import NO_SPACE_ERRNOS, DiskFull
 
 TEMPORARY_MARK = ".tmp"
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Bytes the simulated disk still takes (None: the real disk decides).
 _simulated_space_left: Optional[int] = None
 
@@ -194,7 +193,7 @@ def no_space_is_disk_full(path: str | os.PathLike, needed_bytes: int) -> Iterato
     try:
         yield
     except OSError as error:
-        if error.errno not in _NO_SPACE:
+        if error.errno not in NO_SPACE_ERRNOS:
             raise
         free = _free_bytes(path.parent)
         left = f", {free:,} free" if free is not None else ""

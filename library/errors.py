@@ -7,6 +7,9 @@ import signal
 import sys
 from typing import Callable, NoReturn
 
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errors a full disk (or quota) gives."""
+
 
 class UserError(Exception):
     """A bad flag, file or dataset. Entry scripts print it as one line and exit with code 2.
@@ -43,7 +46,7 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
     except DiskFull as error:
         _fail(str(_first_disk_full(error)), exit_code=1)
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if error.errno not in NO_SPACE_ERRNOS:
             raise
         _fail(f"{error.filename or 'a file'}: no space left on the disk ({error.strerror})", exit_code=1)
     except KeyboardInterrupt:

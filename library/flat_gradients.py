@@ -19,9 +19,18 @@ those of the gradients that exist.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
+
+
+def views_into(flat: torch.Tensor, parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat``, each shaped like its parameter."""
+    views, offset = [], 0
+    for parameter in parameters:
+        views.append(flat[offset:offset + parameter.numel()].view(parameter.shape))
+        offset += parameter.numel()
+    return views
 
 
 class FlatGradients:
@@ -40,11 +49,7 @@ class FlatGradients:
         # together with them (library.sharding).
         self._storage = torch.zeros(self.numel + len(self.parameters), dtype=dtype, device=device)
         self.flat = self._storage[:self.numel]
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for parameter in self.parameters:
-            self.views.append(self.flat[offset:offset + parameter.numel()].view(parameter.shape))
-            offset += parameter.numel()
+        self.views = views_into(self.flat, self.parameters)
         self._present = [False] * len(self.parameters)
 
     def gather(self) -> None:

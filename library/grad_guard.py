@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from library.errors import UserError
-from library.flat_gradients import FlatGradients
+from library.flat_gradients import FlatGradients, views_into
 
 logger = logging.getLogger(__name__)
 
@@ -588,7 +588,7 @@ class GradientMonitor:
         """The parameters' separate gradients copied into one flat fp32 buffer (None as zeros)."""
         if self._gathered is None:
             self._gathered = torch.zeros(self.numel, dtype=torch.float32, device=self._device)
-            self._gathered_views = _views_into(self._gathered, self._parameters)
+            self._gathered_views = views_into(self._gathered, self._parameters)
         present, views = [], []
         for parameter, view in zip(self._parameters, self._gathered_views):
             if parameter.grad is None:
@@ -652,14 +652,6 @@ def _flat_norm(flat: torch.Tensor) -> torch.Tensor:
     if whole < flat.numel():
         parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1))
     return torch.linalg.vector_norm(torch.cat(parts))
-
-
-def _views_into(flat: torch.Tensor, parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for parameter in parameters:
-        views.append(flat[offset:offset + parameter.numel()].view(parameter.shape))
-        offset += parameter.numel()
-    return views
 
 
 def _cosine(dot: float, norm_a: float, norm_b: float) -> float:

@@ -190,7 +190,6 @@ class StepOutcome:
     loss: float
     grad_norm: float
     has_scaler: bool = False
-    learning_rate: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,7 @@ class HealingPolicy:
         a scaler a non-finite gradient never trains either.
       * ``quarantine`` only grows, except that a rewind lifts the uncertain quarantines made
         after the healthy point it returns to.
-      * ``rewinds`` only grows; ``lr_scale`` is ``rewind_lr_factor ** len(rewinds)``.
+      * ``rewinds`` only grows; ``lr_scale`` (the last rewind's) is ``rewind_lr_factor ** len(rewinds)``.
       * The healthy point is marked only at steps that trained with finite losses, no divergence
         streak and no runaway; the initial state (``mark_healthy(start_step)``) is the first.
     """
@@ -308,7 +307,6 @@ class HealingPolicy:
         self._describe = describe
         self.quarantine: list[Quarantine] = []
         self.rewinds: list[Rewind] = []
-        self.lr_scale = 1.0
         self.nonfinite_loss_steps = 0  # steps not trained because a loss was non-finite
         self.nonfinite_grad_steps = 0  # steps not trained because, without a scaler, a gradient was non-finite
         self.reported: list[str] = []  # kinds of NaN report written ("loss", "gradient")
@@ -398,13 +396,17 @@ class HealingPolicy:
     def rewound(self, step: int, reason: str, batches_skipped: int) -> Rewind:
         """The trainer restored the healthy point at ``step``: lower the learning rate, put the
         restorable state back and lift the uncertain quarantines of the diverged span."""
-        self.lr_scale *= self.config.rewind_lr_factor
-        event = Rewind(step, self.healthy_step, reason, self.lr_scale, batches_skipped)
+        event = Rewind(step, self.healthy_step, reason, self.lr_scale * self.config.rewind_lr_factor, batches_skipped)
         self.rewinds.append(event)
         self.now = _copy(self.healthy)
         self.last_kinds.clear()
         self.quarantine = [entry for entry in self.quarantine if entry.certain or entry.step <= self.healthy_step]
         return event
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning rates' multiplier now: the last rewind's (1 before any)."""
+        return self.rewinds[-1].lr_scale if self.rewinds else 1.0
 
     @property
     def lr_multiplier(self) -> float:
@@ -475,9 +477,7 @@ class HealingPolicy:
         self.last_kinds.append(kind)
         if verdict.rewind or verdict.stop or len(self.last_kinds) < FAILED_END_STEPS or "trained" in self.last_kinds:
             return verdict
-        skipped = ", ".join(f"{name} {self.last_kinds.count(name)}" for name in STEP_KINDS[1:]
-                            if name in self.last_kinds)
-        return self._diverged(f"no step trained in the last {FAILED_END_STEPS} ({skipped})", verdict)
+        return self._diverged(f"no step trained in the last {FAILED_END_STEPS} ({self._skip_reasons()})", verdict)
 
     # -- the run's account
     def failure_at_end(self) -> Optional[str]:
@@ -491,9 +491,11 @@ class HealingPolicy:
                     f"overflow the forward{hint}")
         if not self.last_kinds or "trained" in self.last_kinds:
             return None
-        reasons = ", ".join(f"{kind} {self.last_kinds.count(kind)}" for kind in STEP_KINDS[1:]
-                            if kind in self.last_kinds)
-        return f"none of the last {len(self.last_kinds)} steps trained ({reasons}){hint}"
+        return f"none of the last {len(self.last_kinds)} steps trained ({self._skip_reasons()}){hint}"
+
+    def _skip_reasons(self) -> str:
+        """What kept the last steps from training, e.g. ``guard 6, scaler 4``."""
+        return ", ".join(f"{kind} {self.last_kinds.count(kind)}" for kind in STEP_KINDS[1:] if kind in self.last_kinds)
 
     def summary(self, steps: int, average_loss: float, average_over: int,
                 learning_rates: Sequence[Optional[float]]) -> str:
@@ -532,7 +534,6 @@ class HealingPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.quarantine = [Quarantine(**entry) for entry in state["quarantine"]]
         self.rewinds = [Rewind(**event) for event in state["rewinds"]]
-        self.lr_scale = float(state["lr_scale"])
         self.nonfinite_loss_steps = int(state["nonfinite_loss_steps"])
         self.nonfinite_grad_steps = int(state["nonfinite_grad_steps"])
         self.reported = list(state["reported"])

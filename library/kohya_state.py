@@ -126,15 +126,12 @@ def kohya_groups(optimizer: torch.optim.Optimizer, network: torch.nn.Module, koh
 
 
 def optimizer_state_in_our_order(optimizer: torch.optim.Optimizer, network: torch.nn.Module,
-                                 kohya_state: dict[str, Any], mapping: Optional[list[list[int]]] = None
-                                 ) -> dict[str, Any]:
-    """kohya's ``optimizer.state_dict()`` renumbered for ``optimizer`` (its groups mapped by ``mapping``,
-    by default :func:`kohya_groups`; this trainer's order). ValueError naming the difference when the
-    groups or the parameters' shapes do not match."""
+                                 kohya_state: dict[str, Any], mapping: list[list[int]]) -> dict[str, Any]:
+    """kohya's ``optimizer.state_dict()`` renumbered for ``optimizer`` (its groups mapped by ``mapping``, from
+    :func:`kohya_groups`; this trainer's order). ValueError naming the difference when the parameters' shapes
+    do not match."""
     groups = optimizer.param_groups
     kohya_param_groups = kohya_state["param_groups"]
-    if mapping is None:
-        mapping = kohya_groups(optimizer, network, [len(group["params"]) for group in kohya_param_groups])
     ours = optimizer.state_dict()
     our_index = {id(p): index for group, saved in zip(groups, ours["param_groups"])
                  for p, index in zip(group["params"], saved["params"])}

@@ -89,8 +89,8 @@ def initial_progress(args: argparse.Namespace, steps_per_epoch: int, fresh: "Pro
         step = args.initial_step
     elif args.initial_epoch is not None:
         step = (args.initial_epoch - 1) * steps_per_epoch
-    elif kohya_state.resume_step(args.resume) is not None:
-        step = kohya_state.resume_step(args.resume)
+    elif (kohya_step := kohya_state.resume_step(args.resume)) is not None:
+        step = kohya_step
     else:
         return fresh
     if step >= args.max_train_steps:

@@ -97,7 +97,7 @@ def convert_network(network: network_base.AdapterNetwork, dim: int, conv_dim: Op
             dropped.append(f"{lora.lora_name}: its bias change")
             dropped_squares += float(changes["bias"].pow(2).sum())
         is_conv3x3 = delta.dim() == 4 and tuple(delta.shape[2:]) != (1, 1)
-        cap = min(conv_dim or dim if is_conv3x3 else dim, delta.shape[0], delta[0].numel())
+        cap = (conv_dim or dim) if is_conv3x3 else dim  # low_rank_module caps it at the delta's own rank
         parts, _, error = resize_lora.low_rank_module(delta, cap, method, param, alpha=float(dim))
         name = lora_name(lora.lora_name)
         weights[f"{name}.lora_down.weight"] = parts["down"]
