@@ -583,7 +583,6 @@ class NetworkTrainer:
                           f"it is left out for the rest of the run",
                           count=("train/quarantined_samples", len(healer.quarantine)),
                           fields={"file": entry.file, "caption": entry.caption, "reason": entry.reason})
-        run.data.quarantined = healer.quarantined_images
         if verdict.report and healer.config.nan_report:
             self.write_nan_report(run, result, window)
         if verdict.stop:
@@ -593,6 +592,7 @@ class NetworkTrainer:
         elif healer.snapshot_due(result.step, result.stepped):
             self.capture_healthy_point(run.states, healer, run.progress)
             outputs.event(result.step, "healthy", "")
+        run.data.quarantined = healer.quarantined_images  # after a rewind, which lifts uncertain ones
 
     @staticmethod
     def capture_healthy_point(states: train_state.RunStates, healer: healing.HealingPolicy,

@@ -85,7 +85,9 @@ def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
     temporary = temporary_path(path)
     with no_space_is_disk_full(path, needed_bytes), _removed_on_error(temporary):
         yield temporary
-        _spend(temporary.stat().st_size)
+        size = temporary.stat().st_size
+        if _spend(size) < size:  # the simulated disk (a real one failed inside the block)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temporary))
         with open(temporary, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(temporary, path)

@@ -45,6 +45,17 @@ def test_a_folder_is_replaced_whole_and_a_full_disk_keeps_the_old_one(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["run-state"] and (target / "a.bin").read_bytes() == b"3" * 10
 
 
+def test_a_file_written_by_name_fails_on_a_full_disk_and_keeps_the_old_one(tmp_path, small_disk):
+    """Writers that take a file name (safetensors' save_file) go through ``writing_file``: the simulated
+    disk fails them too, before the rename."""
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(DiskFull, match="model.bin: no space left on the disk; writing it needs 500 bytes"):
+        with atomic_files.writing_file(target, 500) as temporary:
+            temporary.write_bytes(b"n" * 500)
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["model.bin"]
+
+
 def test_appends_report_a_full_disk_the_same_way(tmp_path, small_disk):
     log = tmp_path / "rows.txt"
     atomic_files.append_to_file(log, "1\n")
