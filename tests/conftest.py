@@ -11,6 +11,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
 
@@ -133,6 +135,20 @@ def model_args(tiny_models: dict[str, Path], name: str) -> list[str]:
         "--pretrained_model_name_or_path", str(tiny_models[f"{name}_file"]),
         "--model_config_dir", str(tiny_models[f"{name}_config"]),
     ]
+
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "SOURCE_DATE_EPOCH": "1700000000", "OMP_NUM_THREADS": "1"}
+"""The environment of trainer subprocesses: offline, one thread, file times from SOURCE_DATE_EPOCH."""
+
+
+def run_sdxl_script(argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
+    """``sdxl_train_network.py argv`` in a subprocess; its exit code must be ``expect`` (None: any)."""
+    result = subprocess.run([sys.executable, str(REPO / "sdxl_train_network.py"), *argv], cwd=REPO, env=SCRIPT_ENV,
+                            capture_output=True, text=True, timeout=600)
+    if expect is not None:
+        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
+    return result
 
 
 def run_trainer(script: str, argv: list[str]) -> None:

@@ -15,18 +15,16 @@ from typing import Optional
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from conftest import model_args, train_expecting_user_error
+from conftest import REPO, SCRIPT_ENV, model_args, run_sdxl_script, train_expecting_user_error
 from diffusers.training_utils import EMAModel
-from safetensors import safe_open
 
 import sdxl_train_network
 import train_network
 from library import config_file, fault_injection, healing, sampling, train_state
 from library.ema import EmaConfig, LoraEma
 from networks.lora import read_lora_file
+from networks.network_base import read_lora_metadata
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "SOURCE_DATE_EPOCH": "1700000000", "OMP_NUM_THREADS": "1"}
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
 
 
@@ -251,7 +249,7 @@ def train_recorded(argv: list[str]) -> tuple[Recorder, str]:
     output = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
         patch.setattr(sampling, "sample_images", sample_images)
-        patch.setenv("SOURCE_DATE_EPOCH", ENV["SOURCE_DATE_EPOCH"])  # byte-comparable with the subprocess runs
+        patch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])  # byte-comparable with the subprocess runs
         train_network.main(recording_trainer(recorder), sdxl_train_network.setup_parser, argv)
     return recorder, output.getvalue()
 
@@ -278,11 +276,6 @@ def ema_run(tiny_models, demo_dataset, prompts, tmp_path_factory) -> tuple[Path,
     recorder, output = train_recorded(ema_args(tiny_models, demo_dataset, output_dir, *EMA_FLAGS, "--sample_prompts",
                                                str(prompts)))
     return output_dir, recorder, output
-
-
-def metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), "pt") as file:
-        return file.metadata()
 
 
 def assert_same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
@@ -334,12 +327,12 @@ def test_metadata_says_which_weights_a_file_holds(ema_run):
     output_dir, _, _ = ema_run
     for name, weights in (("run.safetensors", "ema"), ("run-raw.safetensors", "raw"),
                           ("run-step00000002.safetensors", "ema"), ("run-step00000002-raw.safetensors", "raw")):
-        found = metadata(output_dir / name)
+        found = read_lora_metadata(str(output_dir / name))
         assert found["ss_weights"] == weights and found["ss_ema_decay"] == "0.8", name
         assert found["ss_ema_warmup"] == "power inv_gamma=1.0 power=0.75" and found["ss_ema_update_every"] == "2"
         assert found["sshs_model_hash"]  # the hashes are the file's own
-    assert metadata(output_dir / "run.safetensors")["sshs_model_hash"] != \
-        metadata(output_dir / "run-raw.safetensors")["sshs_model_hash"]
+    assert read_lora_metadata(str(output_dir / "run.safetensors"))["sshs_model_hash"] != \
+        read_lora_metadata(str(output_dir / "run-raw.safetensors"))["sshs_model_hash"]
 
 
 def test_a_step_that_does_not_train_leaves_the_average_unchanged(ema_run, tiny_models, demo_dataset, tmp_path):
@@ -381,21 +374,13 @@ def test_a_rewind_restores_the_average_of_the_healthy_point(tiny_models, tmp_pat
     assert moved  # the average had moved since the healthy point: the restore did something
 
 
-def run_script(argv: list[str], expect: Optional[int] = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(REPO / "sdxl_train_network.py"), *argv], cwd=REPO, env=ENV,
-                            capture_output=True, text=True, timeout=600)
-    if expect is not None:
-        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
-    return result
-
-
 @pytest.mark.device
 def test_sigkill_then_resume_auto_gives_identical_bytes(ema_run, tiny_models, demo_dataset, prompts, tmp_path):
     reference, _, _ = ema_run
     argv = ema_args(tiny_models, demo_dataset, tmp_path, *EMA_FLAGS, "--sample_prompts", str(prompts))
-    killed = run_script(argv + ["--debug_kill_in_state_write", "2"], expect=None)  # while writing step 4's state
+    killed = run_sdxl_script(argv + ["--debug_kill_in_state_write", "2"], expect=None)  # while writing step 4's state
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_script(argv + ["--resume", "auto"])
+    resumed = run_sdxl_script(argv + ["--resume", "auto"])
     assert "resumed at step 2 " in resumed.stdout
     for name in ("run.safetensors", "run-raw.safetensors", "run-step00000004.safetensors",
                  "run-step00000008-raw.safetensors"):
@@ -420,7 +405,7 @@ def test_two_processes_hold_the_same_average(tiny_models, demo_dataset, tmp_path
                     "3", "--debug_report_weights")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(29500 + os.getpid() % 1000 + 11), str(REPO / "sdxl_train_network.py"), *argv]
-    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     hashes = dict(re.findall(r"rank (\d) lora_sha256 ([0-9a-f]{64})", result.stdout))
     assert len(hashes) == 2 and hashes["0"] == hashes["1"]  # the weights meant for use: the average

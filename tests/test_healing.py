@@ -16,15 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer
-from safetensors import safe_open
+from conftest import REPO, SCRIPT_ENV, model_args, run_sdxl_script, run_trainer
 
 from library import healing
 from library.healing import HealingConfig, HealingPolicy, SampleOutcome, StepOutcome
 from networks.lora import read_lora_file
+from networks.network_base import read_lora_metadata
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "SOURCE_DATE_EPOCH": "1700000000", "OMP_NUM_THREADS": "1"}
 
 
 # --------------------------------------------------------------------------- the decision core
@@ -223,11 +221,6 @@ def log_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
-def metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), "pt") as file:
-        return file.metadata()
-
-
 @pytest.fixture(scope="module")
 def learning_rate_one(tiny_models, quickstart_dataset, tmp_path_factory) -> tuple[Path, str]:
     """The issue's run: the quickstart at --learning_rate 1 (the fp16 forward overflows from step 2)."""
@@ -257,9 +250,9 @@ def test_a_diverging_fp16_run_rewinds_and_ends_with_a_usable_lora(learning_rate_
     assert {row["Scale"] for row in rows} == {"65536.0"}
     weights = read_lora_file(str(output_dir / "q.safetensors"))
     assert all(torch.isfinite(value).all() for value in weights.values())
-    recorded = json.loads(metadata(output_dir / "q.safetensors")["ss_rewinds"])
+    recorded = json.loads(read_lora_metadata(str(output_dir / "q.safetensors"))["ss_rewinds"])
     assert [(event["step"], event["to_step"]) for event in recorded] == [(int(s), int(t)) for s, _, t, _, _ in rewinds]
-    assert metadata(output_dir / "q-step00000020.safetensors")["ss_rewinds"] == json.dumps(
+    assert read_lora_metadata(str(output_dir / "q-step00000020.safetensors"))["ss_rewinds"] == json.dumps(
         [event for event in recorded if event["step"] <= 20])  # the files saved during the run too
     events = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
     assert [event["step"] for event in events if event.get("event") == "rewind"] == [int(s) for s, *_ in rewinds]
@@ -363,7 +356,7 @@ def test_a_nan_latent_is_quarantined_by_name_and_no_other_image_is_lost(tiny_mod
     assert final.startswith("done: 30 steps, 29 trained") and "quarantined samples 1" in final
     report = (tmp_path / "q-nan_report.txt").read_text()
     assert "003.png, caption 'a yellow circle', loss nan" in report and "noisy latents NON-FINITE" in report
-    recorded = json.loads(metadata(tmp_path / "q.safetensors")["ss_quarantined_samples"])
+    recorded = json.loads(read_lora_metadata(str(tmp_path / "q.safetensors"))["ss_quarantined_samples"])
     assert [Path(entry["file"]).name for entry in recorded] == ["003.png"]
     state = torch.load(tmp_path / "q-state" / "components.pt", weights_only=False)
     assert [Path(entry["file"]).name for entry in state["healing"]["quarantine"]] == ["003.png"]
@@ -391,18 +384,10 @@ def sigkill_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> l
                            "--save_state", "--save_every_n_steps", "1", "--rewind_every_n_steps", "2", *extra)
 
 
-def run_script(argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(REPO / "sdxl_train_network.py"), *argv], cwd=REPO, env=ENV,
-                            capture_output=True, text=True, timeout=600)
-    if expect is not None:
-        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
-    return result
-
-
 @pytest.fixture(scope="module")
 def uninterrupted_rewinds(tiny_models, quickstart_dataset, tmp_path_factory) -> tuple[Path, list[int]]:
     output_dir = tmp_path_factory.mktemp("rewinds_reference")
-    result = run_script(sigkill_args(tiny_models, quickstart_dataset, output_dir))
+    result = run_sdxl_script(sigkill_args(tiny_models, quickstart_dataset, output_dir))
     steps = [int(step) for step in re.findall(r"^step (\d+): .*rewound", result.stdout, re.M)]
     assert steps, result.stdout[-2000:]
     return output_dir, steps
@@ -411,7 +396,7 @@ def uninterrupted_rewinds(tiny_models, quickstart_dataset, tmp_path_factory) -> 
 def test_the_same_command_twice_gives_the_same_files(uninterrupted_rewinds, tiny_models, quickstart_dataset,
                                                      tmp_path):
     reference, _ = uninterrupted_rewinds
-    run_script(sigkill_args(tiny_models, quickstart_dataset, tmp_path))
+    run_sdxl_script(sigkill_args(tiny_models, quickstart_dataset, tmp_path))
     for name in ("q.safetensors", "gradient_logs+q.txt", "healing_log+q.txt", "q-nan_report.txt"):
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
 
@@ -424,9 +409,9 @@ def test_sigkill_around_a_rewind_then_resume_gives_identical_bytes(when, uninter
     # a state is written at every step: dying while writing state K kills at step K, before it is visible
     kill_at = rewind_steps[0] + {"before": -1, "during": 0, "after": 1}[when]
     argv = sigkill_args(tiny_models, quickstart_dataset, tmp_path)
-    killed = run_script(argv + ["--debug_kill_in_state_write", str(kill_at)], expect=None)
+    killed = run_sdxl_script(argv + ["--debug_kill_in_state_write", str(kill_at)], expect=None)
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_script(argv + ["--resume", "auto"])
+    resumed = run_sdxl_script(argv + ["--resume", "auto"])
     assert f"resumed at step {kill_at - 1} " in resumed.stdout
     for name in ("q.safetensors", "gradient_logs+q.txt", "healing_log+q.txt"):
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
@@ -438,7 +423,7 @@ def test_two_processes_agree_on_every_quarantine_and_rewind(tiny_models, quickst
                            "--debug_inject_sample", "003.png=nan", "--debug_report_weights")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(29500 + os.getpid() % 1000 + 7), str(REPO / "sdxl_train_network.py"), *argv]
-    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     hashes = dict(re.findall(r"rank (\d) lora_sha256 ([0-9a-f]{64})", result.stdout))
     assert len(hashes) == 2 and hashes["0"] == hashes["1"]
