@@ -128,6 +128,7 @@ def dataset_metadata(args: argparse.Namespace, dataset: TrainDataset, total_batc
         "ss_bucket_no_upscale": bool(spec.enable_bucket and spec.bucket_no_upscale),
         "ss_min_bucket_reso": planned.min_bucket_reso,
         "ss_max_bucket_reso": planned.max_bucket_reso,
+        "ss_skip_image_resolution": spec.skip_image_resolution,  # kohya's parsed value: "(768, 768)" or "None"
         "ss_keep_tokens": args.keep_tokens,
         "ss_dataset_dirs": json.dumps(dataset.dataset_dirs()),
         "ss_reg_dataset_dirs": json.dumps(dataset.dataset_dirs(reg=True)),
@@ -196,6 +197,7 @@ def _dataset_entry(planned: DatasetPlan) -> dict[str, Any]:
         "enable_bucket": bool(spec.enable_bucket),
         "min_bucket_reso": planned.min_bucket_reso,
         "max_bucket_reso": planned.max_bucket_reso,
+        "skip_image_resolution": spec.skip_image_resolution,
         "tag_frequency": planned.tag_frequency,
         "bucket_info": planned.bucket_info(),
         "resize_interpolation": spec.resize_interpolation,

@@ -16,18 +16,19 @@ import sdxl_train_network
 from library.datasets.dataset import build_dataset
 from library.lora_metadata import dataset_metadata, training_metadata
 
-# Exactly the keys each branch of kohya's train_network.py writes.
+# Exactly the keys each branch of kohya's train_network.py writes (v0.11.1: skip_image_resolution
+# follows max_bucket_reso in both shapes).
 FOLDER_KEYS = [
     "ss_batch_size_per_device", "ss_total_batch_size", "ss_resolution", "ss_color_aug", "ss_flip_aug",
     "ss_random_crop", "ss_shuffle_caption", "ss_enable_bucket", "ss_bucket_no_upscale", "ss_min_bucket_reso",
-    "ss_max_bucket_reso", "ss_keep_tokens", "ss_dataset_dirs", "ss_reg_dataset_dirs", "ss_tag_frequency",
+    "ss_max_bucket_reso", "ss_skip_image_resolution", "ss_keep_tokens", "ss_dataset_dirs", "ss_reg_dataset_dirs", "ss_tag_frequency",
     "ss_bucket_info",
 ]
 CONFIG_KEYS = ["ss_datasets", "ss_tag_frequency", "ss_dataset_dirs"]
 JSON_KEYS = {"ss_dataset_dirs", "ss_reg_dataset_dirs", "ss_tag_frequency", "ss_bucket_info", "ss_datasets"}
 DATASET_ENTRY_KEYS = [
     "is_dreambooth", "batch_size_per_device", "num_train_images", "num_reg_images", "resolution", "enable_bucket",
-    "min_bucket_reso", "max_bucket_reso", "tag_frequency", "bucket_info", "resize_interpolation", "subsets",
+    "min_bucket_reso", "max_bucket_reso", "skip_image_resolution", "tag_frequency", "bucket_info", "resize_interpolation", "subsets",
 ]
 SUBSET_ENTRY_KEYS = [
     "img_count", "num_repeats", "color_aug", "flip_aug", "random_crop", "shuffle_caption", "keep_tokens",
@@ -90,6 +91,7 @@ def test_folder_run_writes_kohyas_flags_dirs_tags_and_buckets(folders):
         "ss_color_aug": "False", "ss_flip_aug": "True", "ss_random_crop": "False", "ss_shuffle_caption": "True",
         "ss_enable_bucket": "True", "ss_bucket_no_upscale": "False",
         "ss_min_bucket_reso": "64", "ss_max_bucket_reso": "256",  # put on the step grid, as kohya reports them
+        "ss_skip_image_resolution": "None",
         "ss_keep_tokens": "1",
     }
     # Raw captions split at ",", stripped, lower-cased, every occurrence counted once per image
@@ -194,6 +196,7 @@ enable_bucket = false
     assert first == {
         "is_dreambooth": True, "batch_size_per_device": 2, "num_train_images": 3 * 2 + 1, "num_reg_images": 2,
         "resolution": [128, 128], "enable_bucket": True, "min_bucket_reso": 64, "max_bucket_reso": 256,
+        "skip_image_resolution": None,
         "tag_frequency": {"10_sks dog": {"sks dog": 3, "red collar": 2, "sitting": 3}, "3_sks cat": {"cat": 2},
                           "1_dog": {"dog": 2, "photo": 1}},
         "bucket_info": {

@@ -95,6 +95,7 @@ DATASET_ASCENDABLE = {
     "batch_size": _int, "bucket_no_upscale": _bool, "bucket_reso_steps": _int, "enable_bucket": _bool,
     "max_bucket_reso": _int, "min_bucket_reso": _int, "validation_seed": _int, "validation_split": _float,
     "resolution": _resolution, "network_multiplier": _float, "resize_interpolation": _str,
+    "skip_image_resolution": _resolution,  # kohya v0.10.2+: size or [width, height]
 }
 
 # Defaults (kohya's dataclasses) of every value a subset or dataset resolves.
@@ -111,7 +112,7 @@ SUBSET_DEFAULTS: dict[str, Any] = {
 DATASET_DEFAULTS: dict[str, Any] = {
     "resolution": None, "batch_size": 1, "enable_bucket": False, "min_bucket_reso": 256, "max_bucket_reso": 1024,
     "bucket_reso_steps": 64, "bucket_no_upscale": False, "prior_loss_weight": 1.0, "network_multiplier": 1.0,
-    "validation_seed": None, "validation_split": 0.0, "resize_interpolation": None,
+    "validation_seed": None, "validation_split": 0.0, "resize_interpolation": None, "skip_image_resolution": None,
 }
 # Command-line names that differ from the config names (kohya's map).
 ARGPARSE_RENAMES = {"train_batch_size": "batch_size", "dataset_repeats": "num_repeats"}
@@ -198,6 +199,9 @@ class DatasetSpec:
     # that split (``validation_seed``, else the training ``--seed``); see ``plan.split_train_validation``.
     validation_split: float = 0.0
     validation_seed: int = 0
+    # kohya's skip_image_resolution (v0.10.2+): images whose original width x height is at most
+    # this (width, height)'s area are left out before the split and bucketing; None keeps all.
+    skip_image_resolution: Optional[tuple[int, int]] = None
     subsets: list[SubsetSpec] = field(default_factory=list)
 
 
@@ -293,7 +297,28 @@ def argparse_values(args: argparse.Namespace) -> dict[str, Any]:
     values = {ARGPARSE_RENAMES.get(name, name): value for name, value in vars(args).items()}
     resolution = getattr(args, "resolution", None)
     values["resolution"] = parse_resolution_wh(resolution, "--resolution") if resolution is not None else None
+    skip = getattr(args, "skip_image_resolution", None)
+    values["skip_image_resolution"] = parse_skip_image_resolution(skip, "--skip_image_resolution")
     return values
+
+
+def parse_skip_image_resolution(value: Any, where: str) -> Optional[tuple[int, int]]:
+    """kohya's ``skip_image_resolution``: 'size', 'width,height', an int or [width, height] -> (width, height);
+    a threshold on the original image area, so any non-negative sizes (no multiple-of-8 rule)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            sizes = [int(part.strip()) for part in value.split(",")]
+        except ValueError:
+            raise UserError(f"{where} {value}: expected 'size' or 'width,height' in pixels") from None
+    else:
+        sizes = list(value) if isinstance(value, (tuple, list)) else [value]
+    if len(sizes) == 1:
+        sizes = sizes * 2
+    if len(sizes) != 2 or any(isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in sizes):
+        raise UserError(f"{where} {value}: expected 'size' or 'width,height', non-negative whole pixels")
+    return (sizes[0], sizes[1])
 
 
 def parse_resolution_wh(text: Any, flag: str) -> tuple[int, int]:
@@ -353,6 +378,8 @@ def build_specs(user_config: dict, args: argparse.Namespace, source: str) -> lis
             # kohya: without validation_seed the split follows the training --seed
             validation_seed=(values["validation_seed"] if values["validation_seed"] is not None
                              else command_line.get("seed") or 0),
+            skip_image_resolution=parse_skip_image_resolution(values["skip_image_resolution"],
+                                                              f"{dataset_where}: skip_image_resolution"),
         )
         _check_dataset(spec, values)
         for subset_index, subset in enumerate(subsets):

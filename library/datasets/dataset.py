@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bucket_reso_steps", type=int, default=64,
         help="bucket side step in pixels (default 64; SDXL needs a multiple of 32, SD1/2 of 64)")
     add("--bucket_no_upscale", action="store_true", help="never enlarge images: one bucket per image size")
+    add("--skip_image_resolution", type=str, default=None,
+        help="leave out images whose original width x height is at most this area: 'size' or 'width,height' "
+             "(kohya v0.10.2+; e.g. 768 for a 1024 dataset of a multi-resolution config; default: keep all)")
     add("--shuffle_caption", action="store_true", help="shuffle the caption's separated tags each time")
     add("--caption_separator", type=str, default=",", help="tag separator in captions (default ',')")
     add("--keep_tokens", type=int, default=0, help="leading tags never shuffled or dropped (default 0)")

@@ -143,6 +143,7 @@ def plan_datasets(specs: list[DatasetSpec], skip_bad_images: bool, min_bucket_st
                 continue
             # Probed before the split, so the split is over usable images whatever --skip_bad_images drops.
             records = _probe_sizes(list_subset_images(subset, subset_index), subset, skip_bad_images)
+            records = skip_small_images(records, spec.skip_image_resolution, subset, report=not validation)
             if splits:
                 training_part, validation_part = split_train_validation(
                     records, spec.validation_split, spec.validation_seed)
@@ -232,6 +233,20 @@ def _bucket_rule(spec: DatasetSpec, min_bucket_steps: int) -> bucket_rules.Bucke
         print(f"{spec.where}: min_bucket_reso and max_bucket_reso are ignored with bucket_no_upscale")
     return bucket_rules.BucketRule(spec.resolution_wh, True, min_reso, max_reso, spec.bucket_reso_steps,
                                    spec.bucket_no_upscale)
+
+
+def skip_small_images(records: list[ImageRecord], skip_image_resolution: Optional[tuple[int, int]],
+                      subset: SubsetSpec, report: bool = True) -> list[ImageRecord]:
+    """kohya's ``skip_image_resolution``: drop images whose original ``width * height`` is at most
+    the threshold's area (so 768 also drops 1024x576 but keeps 800x768), before the validation
+    split, regularisation balancing and bucketing, as kohya's DreamBooth and fine-tuning datasets do."""
+    if skip_image_resolution is None:
+        return records
+    limit = skip_image_resolution[0] * skip_image_resolution[1]
+    kept = [record for record in records if record.size_wh[0] * record.size_wh[1] > limit]
+    if report and len(kept) < len(records):
+        print(f"filtered {len(records) - len(kept)} images by original resolution from {subset.name}")
+    return kept
 
 
 def _probe_sizes(records: list[ImageRecord], subset: SubsetSpec, skip_bad_images: bool) -> list[ImageRecord]:
