@@ -35,10 +35,10 @@ def test_cached_latents_reproduce_the_uncached_keyed_sample(sdxl, tmp_path):
                                                 vae_batch_size=2)
     files = sorted(name for name in os.listdir(tmp_path / "data" / "2_x") if name.endswith(".npz"))
     assert files == ["0_0064x0064_sdxl.npz", "1_0096x0064_sdxl.npz"]  # kohya's names: image size, _sdxl
-    with np.load(tmp_path / "data" / "2_x" / files[1]) as npz:
-        kohya_keys = {"latents", "latents_flipped", "original_size", "crop_ltrb"}
-        assert kohya_keys | {"latents_std", "cache_meta"} <= set(npz.files)
-        assert npz["latents"].shape == (4, 8, 8) and npz["original_size"].tolist() == [96, 64]  # 64x64 bucket
+    with np.load(tmp_path / "data" / "2_x" / files[1]) as npz:  # kohya v0.11.1's keys: _<latent h>x<latent w>
+        kohya_keys = {"latents_8x8", "latents_flipped_8x8", "original_size_8x8", "crop_ltrb_8x8"}
+        assert set(npz.files) == kohya_keys | {"latents_std_8x8", "latents_flipped_std_8x8", "cache_meta_8x8"}
+        assert npz["latents_8x8"].shape == (4, 8, 8) and npz["original_size_8x8"].tolist() == [96, 64]  # 64x64
     flips = set()
     with torch.no_grad():
         for epoch in (1, 2, 3):
@@ -66,8 +66,9 @@ def test_disk_cache_is_reused_and_rebuilt_when_stale(sdxl, tmp_path, capsys):
     def cache(*extra):
         dataset = dataset_from(*args, *extra)
         latents.cache_latents(dataset.plan.images, sdxl.vae, to_disk=True, is_sdxl=True)
+        suffix = latents.latent_size_suffix(dataset.plan.images[0].bucket_wh)
         with np.load(path) as npz:
-            return npz["latents"].copy(), json.loads(str(npz["cache_meta"]))
+            return npz["latents" + suffix].copy(), json.loads(str(npz["cache_meta" + suffix]))
 
     first, meta = cache()
     assert meta["bucket"] == [64, 64] and meta["vae"] == latents.vae_fingerprint(sdxl.vae)
@@ -108,16 +109,17 @@ def test_kohyas_latent_cache_files_are_reused_and_ours_are_kohyas(sdxl, tmp_path
     dataset = dataset_from(*args)
     latents.cache_latents(dataset.plan.images, sdxl.vae, to_disk=True, is_sdxl=True)
     images = dataset.plan.images
-    for image in images:  # ours carry kohya's fields with kohya's values
+    for image in images:  # ours carry kohya's fields with kohya's values, under v0.11.1's suffix
+        suffix = f"_{image.bucket_wh[1] // 8}x{image.bucket_wh[0] // 8}"
         with np.load(latents.npz_path(image, True)) as npz:
-            assert npz["crop_ltrb"].tolist() == kohya_get_crop_ltrb(image.bucket_wh, image.size_wh)
-            assert npz["original_size"].tolist() == list(image.size_wh)
-            assert npz["latents"].shape == (4, image.bucket_wh[1] // 8, image.bucket_wh[0] // 8)
+            assert npz["crop_ltrb" + suffix].tolist() == kohya_get_crop_ltrb(image.bucket_wh, image.size_wh)
+            assert npz["original_size" + suffix].tolist() == list(image.size_wh)
+            assert npz["latents" + suffix].shape == (4, image.bucket_wh[1] // 8, image.bucket_wh[0] // 8)
     assert any(value % 1 for image in images for value in kohya_get_crop_ltrb(image.bucket_wh, image.size_wh))
 
     generator = np.random.default_rng(0)
     samples = {}
-    for image in images[:2]:  # kohya's files for two images, made for this run's buckets
+    for image in images[:2]:  # kohya's files before v0.10.2 (keys without suffix) for this run's buckets
         width, height = image.bucket_wh
         samples[image.path] = generator.standard_normal((4, height // 8, width // 8)).astype(np.float32)
         np.savez(latents.npz_path(image, True), latents=samples[image.path], latents_flipped=-samples[image.path],

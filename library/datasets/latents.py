@@ -12,9 +12,13 @@ the mean, ``original_size``, ``crop_ltrb``, ``latents_flipped``, ``alpha_mask``)
 kohya can read them, plus ``latents_std`` / ``latents_flipped_std`` and
 ``cache_meta``: what the pixels fed to the VAE depended on (image file size and
 mtime, bucket, resize, crop, alpha handling, interpolation) and a VAE fingerprint.
-A file whose metadata differs is stale: it is rebuilt, never used. When one image is used at
-several buckets in one run (kohya's multi-resolution datasets) each variant gets kohya's key
-suffix ``_<h>x<w>``.
+A file whose metadata differs is stale: it is rebuilt, never used. Every entry's keys carry
+kohya v0.11.1's suffix ``_<h>x<w>`` (the latent height and width: ``latents_128x96``,
+``original_size_128x96``, ...; kohya v0.10.2+ writes SD/SDXL caches so, since one image may
+be used at several buckets by a multi-resolution dataset config); entries without a suffix
+(kohya before v0.10.2, this trainer before v0.11.1 support) are still read when their
+``latents`` have this bucket's latent size, as kohya v0.11.1 reads them, and are dropped
+from a file when an entry is written into it.
 
 A file written by kohya's ``--cache_latents_to_disk`` (no ``cache_meta``) is used when it fits the
 run as kohya's own check would take it and more: latents of this bucket's latent size, the image's
@@ -145,18 +149,38 @@ def _read_entry(path: str, suffix: str, flipped: bool) -> CachedLatents:
         return CachedLatents(tensor("latents"), tensor("latents_std"), alpha_mask=tensor("alpha_mask"))
 
 
+def latent_size_suffix(bucket_wh: tuple[int, int]) -> str:
+    """kohya v0.11.1's key suffix of an SD/SDXL latent cache entry: ``_<latent h>x<latent w>``."""
+    return f"_{bucket_wh[1] // 8}x{bucket_wh[0] // 8}"
+
+
 def _variant_suffixes(variants: set[LatentVariant]) -> dict[LatentVariant, str]:
-    """Key suffixes of one file's entries: none for a single entry, else kohya's multi-resolution
-    ``_<latent h>x<latent w>`` (plus ``_alpha``, and ``_2``, ``_3``... if still ambiguous)."""
-    if len(variants) == 1:
-        return {variant: "" for variant in variants}
+    """Key suffixes of one file's entries: kohya's ``_<latent h>x<latent w>``; when two variants of
+    one file share a latent size (alpha handling or resize differs), the others get ``_alpha``,
+    and ``_2``, ``_3``... if still ambiguous (kohya has one entry per size)."""
     suffixes: dict[LatentVariant, str] = {}
     taken: dict[str, int] = {}
+    sizes = [latent_size_suffix(variant.bucket_wh) for variant in variants]
     for variant in sorted(variants, key=repr):
-        suffix = f"_{variant.bucket_wh[1] // 8}x{variant.bucket_wh[0] // 8}" + ("_alpha" if variant.alpha_mask else "")
+        suffix = latent_size_suffix(variant.bucket_wh)
+        if variant.alpha_mask and sizes.count(suffix) > 1:
+            suffix += "_alpha"
         taken[suffix] = taken.get(suffix, 0) + 1
         suffixes[variant] = suffix if taken[suffix] == 1 else f"{suffix}_{taken[suffix]}"
     return suffixes
+
+
+def _stored_suffix(npz, suffix: str, bucket_wh: tuple[int, int]) -> Optional[str]:
+    """The suffix under which ``npz`` holds the entry keyed ``suffix``: itself, or ``""`` for a
+    file written before v0.11.1's suffixes whose unsuffixed ``latents`` have this bucket's latent
+    size (kohya v0.11.1's fallback); None when it holds neither."""
+    names = set(npz.files)
+    if "latents" + suffix in names:
+        return suffix
+    legacy_ok = suffix == latent_size_suffix(bucket_wh) and "latents" in names
+    if legacy_ok and tuple(npz["latents"].shape[-2:]) == (bucket_wh[1] // 8, bucket_wh[0] // 8):
+        return ""
+    return None
 
 
 def _expected_meta(image: PlannedImage, variant: LatentVariant, vae_id: str) -> dict:
@@ -169,57 +193,66 @@ def _expected_meta(image: PlannedImage, variant: LatentVariant, vae_id: str) -> 
     }
 
 
-def _is_fresh(path: str, suffix: str, expected: dict, needs_flip: bool) -> bool:
-    """Whether the npz holds an entry made from exactly these pixels with this VAE."""
+def _fresh_suffix(path: str, suffix: str, expected: dict, needs_flip: bool) -> Optional[str]:
+    """The suffix of the npz's entry made from exactly these pixels with this VAE, or None."""
     if not os.path.isfile(path):
-        return False
+        return None
     try:
         with np.load(path) as npz:
+            stored_suffix = _stored_suffix(npz, suffix, tuple(expected["bucket"]))
             names = set(npz.files)
-            if "cache_meta" + suffix not in names:
-                return False
-            stored = json.loads(str(npz["cache_meta" + suffix]))
+            if stored_suffix is None or "cache_meta" + stored_suffix not in names:
+                return None
+            stored = json.loads(str(npz["cache_meta" + stored_suffix]))
     except Exception:  # unreadable or truncated file: rebuild it
-        return False
+        return None
     flipped_stored = stored.pop("flip", False)
     required = {"latents", "latents_std"} | ({"latents_flipped", "latents_flipped_std"} if needs_flip else set())
     if expected["alpha_mask"]:
         required.add("alpha_mask")
-    return stored == expected and (flipped_stored or not needs_flip) and all(k + suffix in names for k in required)
+    fresh = (stored == expected and (flipped_stored or not needs_flip)
+             and all(k + stored_suffix in names for k in required))
+    return stored_suffix if fresh else None
 
 
-def _is_kohyas(path: str, suffix: str, image: PlannedImage, variant: LatentVariant, needs_flip: bool,
-               latent_channels: int) -> bool:
-    """Whether the npz holds a kohya-ss entry (no ``cache_meta``) made for this image at this bucket
-    (latent size, original size, crop), with the flipped latents and alpha mask the run needs."""
+def _kohya_suffix(path: str, suffix: str, image: PlannedImage, variant: LatentVariant, needs_flip: bool,
+                  latent_channels: int) -> Optional[str]:
+    """The suffix of the npz's kohya-ss entry (no ``cache_meta``) made for this image at this bucket
+    (latent size, original size, crop), with the flipped latents and alpha mask the run needs; None
+    when there is none."""
     if not os.path.isfile(path):
-        return False
+        return None
     width, height = variant.bucket_wh
     try:
         with np.load(path) as npz:
+            stored_suffix = _stored_suffix(npz, suffix, variant.bucket_wh)
+            if stored_suffix is None:
+                return None
             names = set(npz.files)
-            if "cache_meta" + suffix in names or "latents" + suffix not in names:
-                return False
-            if needs_flip and "latents_flipped" + suffix not in names:
-                return False
-            if variant.alpha_mask and "alpha_mask" + suffix not in names:
-                return False
-            shape_ok = npz["latents" + suffix].shape == (latent_channels, height // 8, width // 8)
-            size_ok = npz["original_size" + suffix].tolist() == list(image.size_wh)
-            crop_ok = npz["crop_ltrb" + suffix].tolist() == list(kohya_crop_ltrb(variant.bucket_wh, image.size_wh))
+            if "cache_meta" + stored_suffix in names:
+                return None
+            if needs_flip and "latents_flipped" + stored_suffix not in names:
+                return None
+            if variant.alpha_mask and "alpha_mask" + stored_suffix not in names:
+                return None
+            shape_ok = npz["latents" + stored_suffix].shape == (latent_channels, height // 8, width // 8)
+            size_ok = npz["original_size" + stored_suffix].tolist() == list(image.size_wh)
+            crop_ok = (npz["crop_ltrb" + stored_suffix].tolist()
+                       == list(kohya_crop_ltrb(variant.bucket_wh, image.size_wh)))
     except Exception:  # unreadable, truncated or missing fields: not usable
-        return False
-    return shape_ok and size_ok and crop_ok
+        return None
+    return stored_suffix if shape_ok and size_ok and crop_ok else None
 
 
 def _write_entry(path: str, suffix: str, image: PlannedImage, meta: dict, entry: CachedLatents) -> None:
-    """Write one entry to ``path`` atomically; a suffixed entry keeps the file's other entries."""
+    """Write one entry to ``path`` atomically, keeping the file's entries for other latent sizes
+    (unsuffixed entries of older files are dropped: stale, or the one being replaced)."""
     arrays: dict[str, np.ndarray] = {}
-    if suffix and os.path.isfile(path):
-        own_keys = {base + suffix for base in _ENTRY_KEYS}
+    if os.path.isfile(path):
+        replaced = {base + suffix for base in _ENTRY_KEYS} | set(_ENTRY_KEYS)
         try:
             with np.load(path) as npz:
-                arrays = {key: npz[key] for key in npz.files if key not in own_keys}
+                arrays = {key: npz[key] for key in npz.files if key not in replaced}
         except Exception:  # a damaged file is replaced
             arrays = {}
     arrays["latents" + suffix] = entry.mean.numpy()
@@ -298,12 +331,13 @@ def cache_latents(
         path = npz_path(image, is_sdxl)
         meta = _expected_meta(image, variant, vae_id)
         needs_flip = needs_flip_by_path[image.path]
-        fresh = to_disk and _is_fresh(path, suffix, meta, needs_flip)
-        kohyas = to_disk and not fresh and _is_kohyas(path, suffix, image, variant, needs_flip,
-                                                      int(vae.config.latent_channels))
-        if fresh or kohyas:
-            from_kohya += kohyas
-            store.on_disk[image.index] = (path, suffix)
+        fresh = _fresh_suffix(path, suffix, meta, needs_flip) if to_disk else None
+        kohyas = None
+        if to_disk and fresh is None:
+            kohyas = _kohya_suffix(path, suffix, image, variant, needs_flip, int(vae.config.latent_channels))
+        if fresh is not None or kohyas is not None:
+            from_kohya += kohyas is not None
+            store.on_disk[image.index] = (path, fresh if fresh is not None else kohyas)
             continue
         if to_disk and os.path.isfile(path):
             stale += 1
@@ -316,9 +350,10 @@ def cache_latents(
     if to_disk and not is_main_process:
         wait_for_everyone()  # the main process writes the files
         for image, variant, path, suffix, meta in pending:
-            if not _is_fresh(path, suffix, meta, needs_flip_by_path[image.path]):
+            written = _fresh_suffix(path, suffix, meta, needs_flip_by_path[image.path])
+            if written is None:
                 raise UserError(f"latent cache {path} was not written by the main process")
-            store.on_disk[image.index] = (path, suffix)
+            store.on_disk[image.index] = (path, written)
         return _share(store, images, seen)
     groups: dict[tuple, list] = {}
     for item in pending:
