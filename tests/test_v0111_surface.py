@@ -138,15 +138,14 @@ def parse_args(common, skip=None):
     return sdxl_train_network.setup_parser().parse_args(["--seed", "3", *common, *extra])
 
 
+def general(max_bucket_reso: int) -> str:
+    return (f"[general]\nenable_bucket = true\nmin_bucket_reso = 64\nmax_bucket_reso = {max_bucket_reso}\n"
+            f"bucket_reso_steps = 32\ncaption_extension = \".txt\"\n")
+
+
 def test_skip_image_resolution_is_applied_before_the_validation_split(tmp_path):
     images(tmp_path, [(64, 64)] * 4 + [(128, 128)] * 4)
-    config = write_config(tmp_path, f"""
-[general]
-enable_bucket = true
-min_bucket_reso = 64
-max_bucket_reso = 192
-bucket_reso_steps = 32
-caption_extension = ".txt"
+    config = write_config(tmp_path, general(192) + f"""
 [[datasets]]
 resolution = 128
 skip_image_resolution = 64
@@ -162,13 +161,7 @@ validation_split = 0.5
 def test_multi_resolution_config_skips_small_images_in_the_larger_dataset(tmp_path):
     images(tmp_path, [(64, 64), (96, 96), (160, 128)])
     folder = tmp_path / "train" / "2_x"
-    config = write_config(tmp_path, f"""
-[general]
-enable_bucket = true
-min_bucket_reso = 64
-max_bucket_reso = 256
-bucket_reso_steps = 32
-caption_extension = ".txt"
+    config = write_config(tmp_path, general(256) + f"""
 [[datasets]]
 resolution = 64
   [[datasets.subsets]]
