@@ -278,6 +278,26 @@ def test_kohya_v0111_cache_files_are_reused(sdxl, tmp_path, capsys):
         assert torch.equal(mean, torch.from_numpy(samples[image.path]) * scale) and not std.any()
 
 
+def test_kohyas_oldest_cache_name_is_still_read(sdxl, tmp_path, capsys):
+    """``<stem>.npz`` with unsuffixed keys: kohya v0.11.1 still uses it when it exists; so do we,
+    without writing to it."""
+    images(tmp_path, [(96, 64)])
+    folder_args = ["--train_data_dir", str(tmp_path / "train"), *FOLDER]
+    image = dataset_from(*folder_args).plan.images[0]
+    width, height = image.bucket_wh
+    sample = np.random.default_rng(2).standard_normal((4, height // 8, width // 8)).astype(np.float32)
+    old_path = os.path.splitext(image.path)[0] + ".npz"
+    np.savez(old_path, latents=sample, original_size=np.array(image.size_wh),
+             crop_ltrb=np.array(latents.kohya_crop_ltrb(image.bucket_wh, image.size_wh)))
+    written_at = os.stat(old_path).st_mtime_ns
+    capsys.readouterr()
+    dataset = cached(sdxl, folder_args)
+    assert "reused 1 latent cache files written by kohya-ss" in capsys.readouterr().out
+    mean, _, _ = dataset.latent_store.get(0, flipped=False)
+    assert torch.equal(mean, torch.from_numpy(sample) * float(sdxl.vae.config.scaling_factor))
+    assert os.stat(old_path).st_mtime_ns == written_at and not os.path.exists(latents.npz_path(image, True))
+
+
 def test_cache_files_written_before_the_suffix_are_still_read(sdxl, tmp_path, capsys):
     """Ours from before (one unsuffixed entry with its metadata) is fresh and kept as it is; when the
     bucket changes the file is rewritten in v0.11.1's keys only."""

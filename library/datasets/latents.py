@@ -20,7 +20,8 @@ be used at several buckets by a multi-resolution dataset config); entries withou
 ``latents`` have this bucket's latent size, as kohya v0.11.1 reads them, and are dropped
 from a file when an entry is written into it.
 
-A file written by kohya's ``--cache_latents_to_disk`` (no ``cache_meta``) is used when it fits the
+A file written by kohya's ``--cache_latents_to_disk`` (no ``cache_meta``; also kohya's oldest name
+``<stem>.npz``, which kohya v0.11.1 still uses when it exists) is used when it fits the
 run as kohya's own check would take it and more: latents of this bucket's latent size, the image's
 ``original_size`` and kohya's ``crop_ltrb`` for this bucket, flipped latents when ``flip_aug`` is on,
 an alpha mask when ``alpha_mask`` is. It holds one VAE *sample*, not the distribution: those images
@@ -79,6 +80,12 @@ def variant_of(image: PlannedImage) -> LatentVariant:
 def npz_path(image: PlannedImage, is_sdxl: bool) -> str:
     width, height = image.size_wh
     return f"{os.path.splitext(image.path)[0]}_{width:04d}x{height:04d}{'_sdxl' if is_sdxl else '_sd'}.npz"
+
+
+def kohya_old_npz_path(image: PlannedImage) -> str:
+    """kohya's oldest cache name, ``<stem>.npz`` (unsuffixed keys), which kohya v0.11.1 still reads
+    (and writes) when it exists; read here, never written."""
+    return os.path.splitext(image.path)[0] + ".npz"
 
 
 def vae_fingerprint(vae) -> str:
@@ -334,10 +341,13 @@ def cache_latents(
         fresh = _fresh_suffix(path, suffix, meta, needs_flip) if to_disk else None
         kohyas = None
         if to_disk and fresh is None:
-            kohyas = _kohya_suffix(path, suffix, image, variant, needs_flip, int(vae.config.latent_channels))
+            for candidate in (path, kohya_old_npz_path(image)):
+                kohyas = _kohya_suffix(candidate, suffix, image, variant, needs_flip, int(vae.config.latent_channels))
+                if kohyas is not None:
+                    break
         if fresh is not None or kohyas is not None:
             from_kohya += kohyas is not None
-            store.on_disk[image.index] = (path, fresh if fresh is not None else kohyas)
+            store.on_disk[image.index] = (path, fresh) if fresh is not None else (candidate, kohyas)
             continue
         if to_disk and os.path.isfile(path):
             stale += 1
