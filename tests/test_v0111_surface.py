@@ -182,6 +182,38 @@ skip_image_resolution = [96, 96]
     assert keys[keys.index("max_bucket_reso") + 1] == "skip_image_resolution"  # kohya's place
 
 
+def test_skip_image_resolution_keeps_what_kohya_keeps(tmp_path):
+    """A multi-resolution config with reg images, run through kohya's own dataset code (PR #2273, the
+    v0.10.2 feature; for a single size its sqrt(w*h) <= s rule is v0.11.1's w*h <= s*s) in the
+    harness: the images each dataset keeps and the reg repeats, copied from its output."""
+    sizes = [(64, 64), (96, 64), (64, 96), (128, 128), (48, 80), (80, 52), (81, 52)]
+    for index, (width, height) in enumerate(sizes):
+        write_image(tmp_path / "train" / f"{width}x{height}_{index}.png", (width, height), caption="a thing")
+    for index, (width, height) in enumerate([(64, 64), (96, 96)]):
+        write_image(tmp_path / "reg" / f"{width}x{height}_{index}.png", (width, height), caption="a y")
+    subsets = f"""
+  [[datasets.subsets]]
+  image_dir = '{tmp_path / "train"}'
+  num_repeats = 2
+  [[datasets.subsets]]
+  image_dir = '{tmp_path / "reg"}'
+  is_reg = true
+"""
+    config = write_config(tmp_path, general(256) + "[[datasets]]\nresolution = 64\n" + subsets
+                          + "[[datasets]]\nresolution = 128\nskip_image_resolution = 64\n" + subsets)
+    dataset = dataset_from("--dataset_config", str(config))
+    kept = [sorted((os.path.basename(image.path), image.is_reg, image.num_repeats) for image in plan.images)
+            for plan in dataset.plan.datasets]
+    kohyas = [
+        [("128x128_3.png", False, 2), ("48x80_4.png", False, 2), ("64x64_0.png", False, 2), ("64x64_0.png", True, 7),
+         ("64x96_2.png", False, 2), ("80x52_5.png", False, 2), ("81x52_6.png", False, 2), ("96x64_1.png", False, 2),
+         ("96x96_1.png", True, 7)],
+        [("128x128_3.png", False, 2), ("64x96_2.png", False, 2), ("80x52_5.png", False, 2), ("81x52_6.png", False, 2),
+         ("96x64_1.png", False, 2), ("96x96_1.png", True, 10)],
+    ]
+    assert kept == kohyas
+
+
 @pytest.mark.parametrize("value, where", [
     ("abc", "--skip_image_resolution abc"), ("64,64,64", "--skip_image_resolution 64,64,64"),
     ("-8", "--skip_image_resolution -8")])
