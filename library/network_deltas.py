@@ -79,6 +79,7 @@ class ModelForNetworks:
     text_encoders: list[torch.nn.Module]
     unet: torch.nn.Module
     base_free: bool
+    config_dir: Optional[Path] = None  # the architecture of an empty model
 
     def unet_module_names(self) -> Optional[dict[str, str]]:
         return checkpoint_keys.unet_module_name_map(self.unet.config) if self.kind == "sdxl" else None
@@ -96,7 +97,7 @@ def model_for_networks(kind: ModelKind, args: argparse.Namespace) -> ModelForNet
         return ModelForNetworks(kind, list(models.text_encoders), models.unet, base_free=False)
     config_dir = Path(args.model_config_dir) if args.model_config_dir else model_loading.shipped_config_dir(kind)
     unet, _, text_encoders, _ = model_loading.build_empty_models(kind, config_dir, with_vae=False)
-    return ModelForNetworks(kind, text_encoders, unet, base_free=True)
+    return ModelForNetworks(kind, text_encoders, unet, base_free=True, config_dir=config_dir)
 
 
 @dataclass
@@ -117,12 +118,23 @@ class NetworkFiles:
         self.model = model
         self.flag = flag
         unet_names = model.unet_module_names()
-        self.networks = [registry.network_from_file(path, model.text_encoders, model.unet, unet_names, flag).eval()
-                         for path in paths]
+        self.networks = [self._network(path, unet_names) for path in paths]
         self.modules: dict[str, list[tuple[int, torch.nn.Module]]] = {}
         for index, network in enumerate(self.networks):
             for lora in network.all_loras():
                 self.modules.setdefault(convert_to_lora.lora_name(lora.lora_name), []).append((index, lora))
+
+    def _network(self, path: str, unet_names: Optional[dict[str, str]]) -> network_base.AdapterNetwork:
+        model = self.model
+        try:
+            return registry.network_from_file(path, model.text_encoders, model.unet, unet_names, self.flag).eval()
+        except UserError as error:
+            if not model.base_free:
+                raise
+            detail = str(error).split(": ", 1)[-1].split(";")[0]  # the trainers' hints do not apply here
+            raise UserError(f"{self.flag} {path} does not fit the {KIND_NAMES[model.kind]} architecture of "
+                            f"{model.config_dir} ({detail}); give the model's config folder with "
+                            f"--model_config_dir, or the model with --sd_model") from None
 
     def check_base_independent(self) -> None:
         """Without a base model: measure the first module of every file now, so that a type whose change

@@ -194,6 +194,8 @@ def test_bad_input_is_one_line_before_any_work(network_files, tiny_models, tmp_p
         (["--models", lora, "--lbws", str([1] * 17)], "--lbws: 17 numbers is the SD1.x/2.x preset"),
         (["--models", lora, "--new_rank", "0"], "--new_rank must be a rank >= 1"),
         (["--models", lora, "--new_conv_rank", "-1"], "--new_conv_rank must be a rank >= 1"),
+        # no --model_config_dir: the shipped (full-size) SDXL architecture, which the tiny files do not fit
+        (["--models", lora], "--models .*lora.safetensors does not fit the SDXL architecture .*--model_config_dir"),
     ]
     for argv, message in cases:
         with pytest.raises(UserError, match=message):
