@@ -60,10 +60,14 @@ def file_model_kind(weights: Mapping[str, torch.Tensor], metadata: Mapping[str, 
 
 def files_model_kind(paths: Sequence[str], flag: str) -> ModelKind:
     """The one model kind of all files (see ``file_model_kind``); UserError naming ``flag`` and the
-    first file of another kind (a missing or unreadable file too). Reads the files, builds nothing."""
+    first file of another kind (a missing, unreadable or non-finite file too). Reads the files, builds nothing."""
     kinds = []
     for path in paths:
         weights = network_base.read_lora_file(path)
+        bad_module = network_base.find_non_finite(weights)
+        if bad_module is not None:
+            raise UserError(f"{flag} {path}: module {bad_module} holds NaN/Inf (a diverged training?); leave the "
+                            f"file out")
         kinds.append(file_model_kind(weights, network_base.read_lora_metadata(path), f"{flag} {path}"))
         if kinds[-1] != kinds[0]:
             raise UserError(f"{flag} {path} is a network for {KIND_NAMES[kinds[-1]]}, {paths[0]} one for "
@@ -159,13 +163,20 @@ class NetworkFiles:
                     with _real_zero_layer(own_layer):
                         changes.append((index, self._changes(index, lora, own_layer)))
                 else:
-                    changes.append((index, convert_to_lora.parameter_changes(self.networks[index], lora, own_layer)))
+                    changes.append((index, self._finite(index, lora, convert_to_lora.parameter_changes(
+                        self.networks[index], lora, own_layer))))
             yield ModuleChanges(name, layer, changes)
+
+    def _finite(self, index: int, lora: torch.nn.Module, changes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not all(bool(torch.isfinite(change).all()) for change in changes.values()):
+            raise UserError(f"{self.flag} {self.paths[index]}: module {lora.lora_name} holds NaN/Inf (a diverged "
+                            f"training?); leave the file out")
+        return changes
 
     def _changes(self, index: int, lora: torch.nn.Module, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The change on the (real, zero) layer, checked to be the same on a random weight."""
         network = self.networks[index]
-        on_zero = convert_to_lora.parameter_changes(network, lora, layer)
+        on_zero = self._finite(index, lora, convert_to_lora.parameter_changes(network, lora, layer))
         weight = layer.weight
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():

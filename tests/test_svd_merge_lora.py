@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_convert_to_lora import random_network_file
 
 from library import model_loading
@@ -200,6 +201,13 @@ def test_bad_input_is_one_line_before_any_work(network_files, tiny_models, tmp_p
     for argv, message in cases:
         with pytest.raises(UserError, match=message):
             svd_merge_lora.main(["--save_to", str(out), *argv])
+    weights = read_lora_file(lora)
+    weights[next(key for key in weights if key.endswith("lora_up.weight"))][0, 0] = float("nan")
+    diverged = tmp_path / "diverged.safetensors"
+    save_file(weights, str(diverged), read_lora_metadata(lora))
+    with pytest.raises(UserError, match="diverged.safetensors: module .* holds NaN/Inf"):
+        svd_merge_lora.main(["--save_to", str(out), "--models", lora, str(diverged), "--model_config_dir",
+                             str(tiny_models["sdxl_config"])])
     with pytest.raises(UserError, match="--save_to .* same file as --models"):
         svd_merge_lora.main(["--save_to", lora, "--models", lora])
     assert not out.exists()
