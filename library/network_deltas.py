@@ -9,7 +9,8 @@ on the meta device, each layer made real and zero only while its changes are com
 stays at the networks plus one layer. A change measured on a zero weight is right only for types
 whose change does not depend on the weight; every module is therefore measured on a random weight
 too, and a module whose change differs (OFT, iA3, GLoRA, DoRA) is refused with a line asking for
-``--sd_model``.
+``--sd_model``. Files of another model kind than the first, or holding NaN/Inf, are refused before
+anything is built.
 """
 from __future__ import annotations
 
