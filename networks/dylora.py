@@ -9,7 +9,7 @@ than its forward, 0.04 apart in the weights after 3 steps on the tiny SDXL); onl
 and the output is scaled by ``sqrt(dim / (b + unit))``. In eval mode (sampling, validation) the
 module is a plain LoRA at full rank. Files are plain LoRA files: ``lora_down.weight`` (rank, in)
 or (rank, in, kh, kw), ``lora_up.weight`` (out, rank) or (out, rank, 1, 1), ``alpha``; smaller
-ranks are cut from them with kohya's ``extract_lora_from_dylora.py``.
+ranks are cut from them with ``networks/extract_lora_from_dylora.py`` (kohya's flags).
 
 Differences from kohya (see docs/network_types.md): SDXL text encoders are named
 ``lora_te1_``/``lora_te2_`` (kohya names both ``lora_te_``, so te2 overwrites te1 in its files);
