@@ -75,24 +75,42 @@ def choose_rank(singular_values: torch.Tensor, max_rank: int, method: Optional[s
 
 
 def low_rank_module(delta: torch.Tensor, max_rank: int, method: Optional[str], param: Optional[float],
-                    scale: float = 1.0, alpha: Optional[float] = None) -> tuple[dict[str, torch.Tensor], float, float]:
+                    scale: float = 1.0, alpha: Optional[float] = None, *, fixed_rank: bool = False,
+                    clamp_quantile: Optional[float] = None, compute_dtype: torch.dtype = torch.float64
+                    ) -> tuple[dict[str, torch.Tensor], float, float]:
     """The best LoRA module of at most ``max_rank`` (rank chosen as :func:`choose_rank`) for a weight change
     ``delta`` in its weight's shape (Linear ``(out, in)``, Conv2d ``(out, in, kh, kw)``): ``({"down", "up",
     "alpha"}, fro_retained, relative_error)``, float32 factors with ``sqrt(S / scale)`` on each side and
     ``alpha = scale * rank`` (or ``alpha`` given, then ``scale = alpha / rank``); ``relative_error = ||delta -
-    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values."""
-    matrix = delta.double().reshape(delta.shape[0], -1)
+    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values.
+
+    For kohya's extract tool: ``fixed_rank`` keeps ``max_rank`` (capped at the matrix's size) even for an
+    all-zero delta, so every module has the rank asked for; ``clamp_quantile`` puts the singular values on the
+    up side (kohya's split) and clamps both factors to ``[-q, q]``, ``q`` the ``clamp_quantile`` quantile of
+    their joined values, as kohya does (the error is then measured on the clamped factors; 1: no clamping). The SVD runs in
+    ``compute_dtype`` on ``delta``'s device (float32: kohya's precision, 2-3x faster on a CPU)."""
+    matrix = delta.to(compute_dtype).reshape(delta.shape[0], -1)
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
-    rank = choose_rank(s, max_rank, method, param)
+    rank = min(max_rank, len(s)) if fixed_rank else choose_rank(s, max_rank, method, param)
     if alpha is not None:
         scale = alpha / rank
-    squared = s.pow(2)
+    squared = s.double().pow(2)
     total = float(squared.sum())
     fro_retained = math.sqrt(float(squared[:rank].sum()) / total) if total > 0 else 1.0
     relative_error = math.sqrt(float(squared[rank:].sum()) / total) if total > 0 else 0.0
-    root = torch.sqrt(s[:rank] / scale)
-    up = u[:, :rank] * root
-    down = root[:, None] * vh[:rank]
+    if clamp_quantile is None:
+        root = torch.sqrt(s[:rank] / scale)
+        up = u[:, :rank] * root
+        down = root[:, None] * vh[:rank]
+    else:
+        up = u[:, :rank] * (s[:rank] / scale)
+        down = vh[:rank]
+        if clamp_quantile < 1:  # 1 keeps everything (kohya's -max lower bound would clip the negative tail)
+            limit = torch.quantile(torch.cat([up.flatten(), down.flatten()]), clamp_quantile)
+            up, down = up.clamp(-limit, limit), down.clamp(-limit, limit)
+        if total > 0:
+            residual = matrix.double() - (up.double() @ down.double()) * scale
+            relative_error = float(residual.norm()) / math.sqrt(total)
     if delta.dim() == 4:
         down = down.reshape(rank, *delta.shape[1:])
         up = up.reshape(*up.shape, 1, 1)
