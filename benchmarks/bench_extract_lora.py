@@ -1,7 +1,8 @@
 """networks/extract_lora_from_models.py against kohya's own tool on a full-size pair: time, peak RSS, accuracy.
 
     python benchmarks/bench_extract_lora.py --kohya_dir SD_SCRIPTS --kohya_python PYTHON \
-        [--kind sdxl|sd15] [--work_dir /tmp/bench_extract_lora] [--dim 8] [--skip_kohya] [--keep]
+        [--kind sdxl|sd15] [--work_dir /tmp/bench_extract_lora] [--dim 8] [--sample K] \
+        [--kohya_rss_limit_gib 14] [--skip_kohya] [--keep]
 
 Builds into ``--work_dir`` (kept with ``--keep``, else deleted at the end): a full-size base single file
 with random weights (fp16, original layout; ``bench_full_sdxl.build_model_file``) and a "tuned" one, the
@@ -9,8 +10,14 @@ base plus, on every weight matrix, a random rank-8 change (0.2x the weight's ini
 (0.02x), stored in fp16. Then runs both tools the way the kohya_ss GUI calls kohya's (``--load_precision
 fp16 --save_precision fp16 --clamp_quantile 0.99 --min_diff 0.01 --device cpu``, SDXL with
 ``--load_original_model_to cpu --load_tuned_model_to cpu``; our tool gets the same flags), each under
-``/usr/bin/time`` (wall seconds, peak RSS). kohya's needs ``PYTHONPATH`` with its tree and a torchvision
-stand-in when there is none (``--kohya_pythonpath``).
+a watch on its memory (wall seconds, peak RSS of the process; a run whose RSS passes ``--kohya_rss_limit_gib``
+is stopped and reported as above it, so a shared machine survives kohya's SDXL load). kohya's needs
+``PYTHONPATH`` with its tree and a torchvision stand-in when there is none (``--kohya_pythonpath``).
+
+``--sample K``: a full run is hours of SVDs on a CPU; with K > 1 both tools run unchanged except that
+the module list each builds is cut, in process, to the modules whose name's CRC32 is divisible by K
+(the same modules for both; kohya still loads both models whole, ours reads only those modules). Both
+tools' full module lists (names, wrapped weight shapes) are written before the cut and compared.
 
 The two LoRA files are compared: key set, shapes, metadata keys; and for each module the relative error
 ``||D - LoRA delta|| / ||D||`` of the true weight change ``D`` (the two files' difference, float64).
@@ -26,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,16 +65,69 @@ def perturbation(seed: int):
     return perturb
 
 
-def timed(command: list[str], env: dict[str, str], log: Path) -> tuple[float, float]:
-    """Run ``command`` under /usr/bin/time: (wall seconds, peak RSS GiB); its output goes to ``log``."""
-    marker = log.with_suffix(".time")
+# Run a tool's script in process with its module list cut to a sample (see --sample); the full list
+# (name, wrapped weight shape) is written to MODULES first. {tool}: "kohya" or "ours".
+SAMPLED_RUN = r"""
+import json, runpy, sys, zlib
+script, tool, sample, modules_file, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+keep = lambda name: zlib.crc32(name.encode()) % sample == 0
+def dump(pairs):
+    with open(modules_file, "w") as file:
+        json.dump(sorted([name, list(shape)] for name, shape in pairs), file)
+if tool == "kohya":
+    sys.path[:0] = [script.rsplit("/", 1)[0], script.rsplit("/", 2)[0]]  # networks/, then kohya's library
+    import lora
+    create_network, dumped = lora.create_network, []
+    def sampled(*args, **kwargs):
+        network = create_network(*args, **kwargs)
+        if not dumped:
+            dump((m.lora_name, m.org_module.weight.shape) for m in network.text_encoder_loras + network.unet_loras)
+            dumped.append(1)
+        network.text_encoder_loras = [m for m in network.text_encoder_loras if keep(m.lora_name)]
+        network.unet_loras = [m for m in network.unet_loras if keep(m.lora_name)]
+        return network
+    lora.create_network = sampled
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+else:
+    sys.path.insert(0, script.rsplit("/", 2)[0])
+    from library.errors import exit_on_user_error
+    from networks import extract_lora_from_models as extract
+    extract_targets = extract.extract_targets
+    def sampled(*args, **kwargs):
+        text, unet = extract_targets(*args, **kwargs)
+        dump((t.lora_name, t.shape) for t in text + unet)
+        return [t for t in text if keep(t.lora_name)], [t for t in unet if keep(t.lora_name)]
+    extract.extract_targets = sampled
+    exit_on_user_error(lambda: extract.main(argv))
+"""
+
+
+def watched(command: list[str], env: dict[str, str], log: Path, rss_limit_gib: float) -> tuple[float, float, bool]:
+    """Run ``command``: (wall seconds, peak RSS GiB, stopped at the RSS limit); its output goes to ``log``."""
+    start = time.perf_counter()
     with open(log, "w") as output:
-        result = subprocess.run(["/usr/bin/time", "-o", str(marker), "-f", "%e %M", *command], env=env,
-                                stdout=output, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise SystemExit(f"{command[1]} failed (exit {result.returncode}); see {log}")
-    wall, kib = marker.read_text().split()[-2:]
-    return float(wall), int(kib) / 2**20
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+        stopped, seen_kib = False, 0
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid == process.pid:
+                process.returncode = os.waitstatus_to_exitcode(status)
+                break
+            try:
+                with open(f"/proc/{process.pid}/status") as proc_status:
+                    rss_kib = next(int(line.split()[1]) for line in proc_status if line.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                rss_kib = 0
+            seen_kib = max(seen_kib, rss_kib)
+            if rss_kib > rss_limit_gib * 2**20 and not stopped:
+                process.kill()
+                stopped = True
+            time.sleep(0.2)
+    wall = time.perf_counter() - start
+    if process.returncode != 0 and not stopped:
+        raise SystemExit(f"{command[1]} failed (exit {process.returncode}); see {log}")
+    return wall, max(usage.ru_maxrss, seen_kib) / 2**20, stopped
 
 
 def relative_errors(lora_path: Path, org: Path, tuned: Path, kind: str) -> dict[str, float]:
@@ -117,6 +178,10 @@ def main() -> None:
     parser.add_argument("--kohya_dir", required=True, help="a checkout of kohya's sd-scripts")
     parser.add_argument("--kohya_python", required=True, help="a Python with kohya's requirements")
     parser.add_argument("--kohya_pythonpath", default="", help="extra PYTHONPATH entries for kohya (e.g. stubs)")
+    parser.add_argument("--sample", type=int, default=1, help="extract only the modules whose name's CRC32 is "
+                        "divisible by this (both tools; see the docstring). Default: 1, all")
+    parser.add_argument("--kohya_rss_limit_gib", type=float, default=14.0,
+                        help="stop kohya's tool when its RSS passes this (a shared 24 GiB machine). Default: 14")
     parser.add_argument("--skip_kohya", action="store_true", help="reuse kohya's result of an earlier run")
     parser.add_argument("--keep", action="store_true", help="keep the model files")
     args = parser.parse_args()
@@ -138,19 +203,32 @@ def main() -> None:
     env = dict(os.environ)
     results = {}
     ours_file, kohya_file = work / "ours.safetensors", work / "kohya.safetensors"
-    results["ours"] = timed([sys.executable, str(REPO / "networks" / "extract_lora_from_models.py"), *flags,
-                             "--save_to", str(ours_file)], env, work / "ours.log")
+    ours_script = str(REPO / "networks" / "extract_lora_from_models.py")
+    results["ours"] = watched([sys.executable, "-c", SAMPLED_RUN, ours_script, "ours", str(args.sample),
+                               str(work / "ours_modules.json"), *flags, "--save_to", str(ours_file)],
+                              env, work / "ours.log", 1e9)
     print(f"ours: {results['ours'][0]:.0f} s, peak RSS {results['ours'][1]:.2f} GiB", flush=True)
     kohya_result = work / "kohya_result.json"
     if args.skip_kohya and kohya_result.exists():
         results["kohya"] = tuple(json.loads(kohya_result.read_text()))
     else:
         kohya_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [args.kohya_pythonpath, args.kohya_dir])))
-        results["kohya"] = timed([args.kohya_python, str(Path(args.kohya_dir) / "networks" / "extract_lora_from_models.py"),
-                                  *flags, "--save_to", str(kohya_file)], kohya_env, work / "kohya.log")
+        kohya_script = str(Path(args.kohya_dir).resolve() / "networks" / "extract_lora_from_models.py")
+        results["kohya"] = watched([args.kohya_python, "-c", SAMPLED_RUN, kohya_script, "kohya", str(args.sample),
+                                    str(work / "kohya_modules.json"), *flags, "--save_to", str(kohya_file)],
+                                   kohya_env, work / "kohya.log", args.kohya_rss_limit_gib)
         kohya_result.write_text(json.dumps(results["kohya"]))
-    print(f"kohya: {results['kohya'][0]:.0f} s, peak RSS {results['kohya'][1]:.2f} GiB", flush=True)
-
+    wall, rss, stopped = results["kohya"]
+    if stopped:
+        print(f"kohya: stopped at {rss:.2f} GiB RSS after {wall:.0f} s (over --kohya_rss_limit_gib "
+              f"{args.kohya_rss_limit_gib})", flush=True)
+        print(f"time_ratio=n/a rss_ratio<{results['ours'][1] / rss:.3f} (kohya > {args.kohya_rss_limit_gib} GiB)")
+        return
+    print(f"kohya: {wall:.0f} s, peak RSS {rss:.2f} GiB", flush=True)
+    ours_modules = json.loads((work / "ours_modules.json").read_text())
+    kohya_modules = json.loads((work / "kohya_modules.json").read_text())
+    print(f"full module lists: {len(ours_modules)} ours, {len(kohya_modules)} kohya's, "
+          f"{'the same names and shapes' if ours_modules == kohya_modules else 'DIFFERENT'}", flush=True)
     problems = compare(ours_file, kohya_file)
     print("\n".join(problems) if problems else "same keys, shapes and metadata keys", flush=True)
     errors = {name: relative_errors(path, org, tuned, kind) for name, path in (("ours", ours_file), ("kohya", kohya_file))}

@@ -215,3 +215,35 @@ def test_bad_input_exit_code(tmp_path):
                              "--save_to", str(tmp_path / "out.safetensors")], capture_output=True, text=True)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "--model_org" in result.stderr
+
+
+# kohya's extract tool's module lists on the real architectures (its own model classes and lora.create_network,
+# built on the meta device in /work/harness_extract): (text encoder modules, UNet modules) without and with
+# --conv_dim, and samples of (name, wrapped weight shape). Ours matched them in full (names and shapes).
+KOHYA_MODULE_COUNTS = {("sdxl", False): (264, 722), ("sdxl", True): (264, 788),
+                       ("sd1", False): (72, 192), ("sd1", True): (72, 278)}
+KOHYA_MODULE_SAMPLES = {
+    "sdxl": {"lora_te2_text_model_encoder_layers_6_mlp_fc2": (1280, 5120),
+             "lora_unet_input_blocks_8_1_transformer_blocks_8_ff_net_0_proj": (10240, 1280),
+             "lora_unet_input_blocks_4_1_proj_in": (640, 640),
+             "lora_unet_input_blocks_3_0_op": (320, 320, 3, 3),
+             "lora_unet_output_blocks_2_2_conv": (1280, 1280, 3, 3),
+             "lora_unet_output_blocks_8_0_skip_connection": (320, 640, 1, 1),
+             "lora_unet_middle_block_0_emb_layers_1": (1280, 1280)},
+    "sd1": {"lora_te_text_model_encoder_layers_9_self_attn_k_proj": (768, 768),
+            "lora_unet_up_blocks_2_resnets_0_conv_shortcut": (640, 1920, 1, 1),
+            "lora_unet_down_blocks_2_downsamplers_0_conv": (1280, 1280, 3, 3),
+            "lora_unet_mid_block_resnets_1_time_emb_proj": (1280, 1280)},
+}
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "sd1"])
+def test_full_size_module_set_is_kohyas(kind):
+    unet, _, text_encoders, _ = model_loading.build_empty_models(kind, model_loading.shipped_config_dir(kind),
+                                                                 with_vae=False)
+    for with_convs in (False, True):
+        text_targets, unet_targets = extract.extract_targets(unet, text_encoders, kind, with_convs)
+        assert (len(text_targets), len(unet_targets)) == KOHYA_MODULE_COUNTS[(kind, with_convs)]
+        shapes = {target.lora_name: target.shape for target in [*text_targets, *unet_targets]}
+        assert len(shapes) == len(text_targets) + len(unet_targets)
+    assert {name: shapes[name] for name in KOHYA_MODULE_SAMPLES[kind]} == KOHYA_MODULE_SAMPLES[kind]
