@@ -61,10 +61,13 @@ class ExtractTarget:
     def is_conv3x3(self) -> bool:
         return len(self.shape) == 4 and tuple(self.shape[2:]) != (1, 1)
 
+    def wanted_rank(self, dim: int, conv_dim: Optional[int]) -> int:
+        """``--conv_dim`` for 3x3 convs, else ``--dim``."""
+        return conv_dim if self.is_conv3x3 and conv_dim is not None else dim
+
     def rank(self, dim: int, conv_dim: Optional[int]) -> int:
-        """kohya's rank: ``--conv_dim`` for 3x3 convs, else ``--dim``, capped at the in and out channels."""
-        wanted = conv_dim if self.is_conv3x3 and conv_dim is not None else dim
-        return min(wanted, self.shape[0], self.shape[1])
+        """kohya's rank: the wanted rank capped at the in and out channels."""
+        return min(self.wanted_rank(dim, conv_dim), self.shape[0], self.shape[1])
 
 
 @dataclass
@@ -153,8 +156,7 @@ def architecture(args: argparse.Namespace, kind: ModelKind) -> tuple[torch.nn.Mo
     if Path(args.model_org).is_dir():
         config_dir = Path(args.model_org)
     elif args.model_config_dir is not None:
-        config_dir = Path(args.model_config_dir)
-        model_loading._check_config_dir(config_dir, kind)
+        config_dir = Path(args.model_config_dir)  # a missing config file is a UserError naming the flag
     else:
         config_dir = model_loading.shipped_config_dir(kind)
     unet, _, text_encoders, _ = model_loading.build_empty_models(kind, config_dir, with_vae=False)
@@ -171,11 +173,10 @@ def extract_targets(unet: torch.nn.Module, text_encoders: Sequence[torch.nn.Modu
                               tuple(target.module.weight.shape))
                 for target in targets if with_convs or target.kind != "conv"]
 
-    text_targets = [target
-                    for index, (encoder, targets) in enumerate(zip(text_encoders,
-                                                                   network_base.text_encoder_targets(text_encoders)))
-                    for target in located(targets, "text_encoder" if index == 0 else f"text_encoder_{index + 1}",
-                                          encoder)]
+    text_targets = []
+    for index, (encoder, targets) in enumerate(zip(text_encoders, network_base.text_encoder_targets(text_encoders))):
+        component = "text_encoder" if index == 0 else f"text_encoder_{index + 1}"
+        text_targets += located(targets, component, encoder)
     unet_names = checkpoint_keys.unet_module_name_map(unet.config) if kind == "sdxl" else None
     classes = network_base.UNET_TARGET_MODULES + (network_base.UNET_CONV_TARGET_MODULES if with_convs else ())
     return text_targets, located(network_base.unet_targets(unet, unet_names, classes), "unet", unet)
@@ -285,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with ModelWeights(Path(args.model_org), "--model_org", kind, (unet, text_encoders)) as org, \
             ModelWeights(Path(args.model_tuned), "--model_tuned", kind, (unet, text_encoders)) as tuned:
         check_shapes([*text_targets, *unet_targets], [org, tuned])
-        capped = [t.lora_name for t in [*text_targets, *unet_targets]
-                  if t.rank(args.dim, args.conv_dim) < (args.conv_dim if t.is_conv3x3 and args.conv_dim else args.dim)]
+        capped = [target.lora_name for target in [*text_targets, *unet_targets]
+                  if target.rank(args.dim, args.conv_dim) < target.wanted_rank(args.dim, args.conv_dim)]
         if capped:
             print(f"{len(capped)} module(s) have fewer channels than the rank asked for (first: {capped[0]}): their "
                   f"rank is min(rank, in, out), as kohya's", flush=True)
