@@ -247,3 +247,20 @@ def test_full_size_module_set_is_kohyas(kind):
         shapes = {target.lora_name: target.shape for target in [*text_targets, *unet_targets]}
         assert len(shapes) == len(text_targets) + len(unet_targets)
     assert {name: shapes[name] for name in KOHYA_MODULE_SAMPLES[kind]} == KOHYA_MODULE_SAMPLES[kind]
+
+
+def test_kohya_ss_gui_command_line(tiny_models, tuned_models, tmp_path):
+    """The flags the kohya_ss GUI's Extract LoRA tab always passes (its defaults: dim and conv dim 128, fp16),
+    here above the tiny modules' sizes, so every rank is capped at the module's (kohya's rule)."""
+    _, tuned = tuned_models["sdxl"]
+    out = tmp_path / "gui.safetensors"
+    weights = run_extract(tiny_models, "sdxl", tiny_models["sdxl_file"], tuned, out,
+                          "--load_precision", "fp16", "--save_precision", "fp16", "--dim", "128", "--device", "cpu",
+                          "--clamp_quantile", "0.99", "--min_diff", "0.01", "--conv_dim", "128",
+                          "--load_original_model_to", "cpu", "--load_tuned_model_to", "cpu")
+    modules = lora_modules(weights)
+    assert all(value.dtype == torch.float16 for value in weights.values())
+    for parts in modules.values():
+        rank = min(parts["up"].shape[0], parts["down"].shape[1])
+        assert parts["down"].shape[0] == rank and float(parts["alpha"]) == rank
+    assert any(name.startswith("lora_te2_") for name in modules)
