@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -146,8 +147,10 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
     return std * 0.3 if key.endswith(RESIDUAL_OUTPUTS) else std
 
 
-def build_model_file(path: Path, device: torch.device | None = None) -> None:
-    """Write a full-size SDXL base single file (fp16, original layout) with seeded random weights.
+def build_model_file(path: Path, device: torch.device | None = None, kind: str = "sdxl",
+                     perturb: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Write a full-size base single file of ``kind`` (sdxl, sd1; fp16, original layout) with seeded random
+    weights; ``perturb(key, weight)`` (float32) returns the weight to write instead (a "tuned" model).
 
     Streamed: the header comes from the meta models' shapes, then each tensor is generated and
     written in turn, so memory stays at one tensor. ``device``: where the random numbers are drawn
@@ -158,9 +161,9 @@ def build_model_file(path: Path, device: torch.device | None = None) -> None:
     from library import checkpoint_keys as ck
     from library.model_loading import build_empty_models, shipped_config_dir
 
-    unet, vae, text_encoders, _ = build_empty_models("sdxl", shipped_config_dir("sdxl"), with_vae=True)
+    unet, vae, text_encoders, _ = build_empty_models(kind, shipped_config_dir(kind), with_vae=True)
     entries: list[tuple[str, tuple[int, ...]]] = []
-    for model, key_map in ck.checkpoint_key_maps("sdxl", unet, vae, text_encoders).values():
+    for model, key_map in ck.checkpoint_key_maps(kind, unet, vae, text_encoders).values():
         state = model.state_dict()
         for rule in key_map.rules:
             entries.append((rule.original, tuple(rule.to_original([state[n] for n in rule.diffusers]).shape)))
@@ -188,6 +191,8 @@ def build_model_file(path: Path, device: torch.device | None = None) -> None:
                 tensor = torch.zeros(shape)
             else:
                 tensor = torch.ones(shape)
+            if perturb is not None:
+                tensor = perturb(key, tensor.cpu())
             file.write(tensor.to(torch.float16).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     os.replace(temporary, path)
     print(f"built {path} ({len(entries)} tensors, {offset / 2**30:.2f} GiB)", flush=True)

@@ -75,30 +75,64 @@ def choose_rank(singular_values: torch.Tensor, max_rank: int, method: Optional[s
 
 
 def low_rank_module(delta: torch.Tensor, max_rank: int, method: Optional[str], param: Optional[float],
-                    scale: float = 1.0, alpha: Optional[float] = None) -> tuple[dict[str, torch.Tensor], float, float]:
+                    scale: float = 1.0, alpha: Optional[float] = None, *, fixed_rank: bool = False,
+                    clamp_quantile: Optional[float] = None, compute_dtype: torch.dtype = torch.float64
+                    ) -> tuple[dict[str, torch.Tensor], float, float]:
     """The best LoRA module of at most ``max_rank`` (rank chosen as :func:`choose_rank`) for a weight change
     ``delta`` in its weight's shape (Linear ``(out, in)``, Conv2d ``(out, in, kh, kw)``): ``({"down", "up",
     "alpha"}, fro_retained, relative_error)``, float32 factors with ``sqrt(S / scale)`` on each side and
     ``alpha = scale * rank`` (or ``alpha`` given, then ``scale = alpha / rank``); ``relative_error = ||delta -
-    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values."""
-    matrix = delta.double().reshape(delta.shape[0], -1)
+    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values.
+
+    For kohya's extract tool: ``fixed_rank`` keeps ``max_rank`` (capped at the matrix's size) even for an
+    all-zero delta, so every module has the rank asked for; ``clamp_quantile`` puts the singular values on the
+    up side (kohya's split) and clamps both factors as kohya does (see :func:`_clamped_factors`; the error is
+    then measured on the clamped factors). The SVD runs in ``compute_dtype`` on ``delta``'s device (float32:
+    kohya's precision, 2-3x faster on a CPU)."""
+    matrix = delta.to(compute_dtype).reshape(delta.shape[0], -1)
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
-    rank = choose_rank(s, max_rank, method, param)
+    rank = min(max_rank, len(s)) if fixed_rank else choose_rank(s, max_rank, method, param)
     if alpha is not None:
         scale = alpha / rank
-    squared = s.pow(2)
+    squared = s.double().pow(2)
     total = float(squared.sum())
     fro_retained = math.sqrt(float(squared[:rank].sum()) / total) if total > 0 else 1.0
     relative_error = math.sqrt(float(squared[rank:].sum()) / total) if total > 0 else 0.0
-    root = torch.sqrt(s[:rank] / scale)
-    up = u[:, :rank] * root
-    down = root[:, None] * vh[:rank]
+    if clamp_quantile is None:
+        root = torch.sqrt(s[:rank] / scale)
+        up = u[:, :rank] * root
+        down = root[:, None] * vh[:rank]
+    else:
+        up, down, relative_error = _clamped_factors(matrix, u[:, :rank] * (s[:rank] / scale), vh[:rank], scale,
+                                                    clamp_quantile)
     if delta.dim() == 4:
         down = down.reshape(rank, *delta.shape[1:])
         up = up.reshape(*up.shape, 1, 1)
     parts = {"down": down.float().contiguous(), "up": up.float().contiguous(),
              "alpha": torch.tensor(scale * rank, dtype=torch.float32)}
     return parts, fro_retained, relative_error
+
+
+def _clamped_factors(matrix: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float, quantile: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """kohya's clamp of the factors of ``matrix ~ up @ down * scale``: both to ``[-q, q]``, ``q`` the ``quantile``
+    of their joined signed values (1: no clamping; kohya's ``-max`` lower bound would clip the negative tail).
+    The result depends on the arbitrary signs of the singular vectors (the bound is not symmetric in them),
+    so of the SVD's own signs and those putting each pair's heavier tail (third moment) on the positive side,
+    the one with the smaller error is kept. Returns (up, down, ||matrix - up @ down * scale|| / ||matrix||)."""
+    candidates = [(up, down)]
+    if quantile < 1:
+        joined = torch.cat([up, down.T])
+        skew = torch.where(joined.pow(3).sum(0) < 0, -1.0, 1.0).to(up.dtype)
+        candidates = []
+        for signed_up, signed_down in ((up, down), (up * skew, down * skew[:, None])):
+            limit = torch.quantile(torch.cat([signed_up.flatten(), signed_down.flatten()]), quantile)
+            candidates.append((signed_up.clamp(-limit, limit), signed_down.clamp(-limit, limit)))
+    norm = float(matrix.double().norm())
+    scored = [(float((matrix.double() - (up_c.double() @ down_c.double()) * scale).norm()) / norm if norm > 0 else 0.0,
+               index) for index, (up_c, down_c) in enumerate(candidates)]
+    error, best = min(scored)
+    return candidates[best][0], candidates[best][1], error
 
 
 def resize_module(parts: Mapping[str, torch.Tensor], max_rank: int, method: Optional[str], param: Optional[float]
