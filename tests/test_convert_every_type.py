@@ -4,7 +4,6 @@ changes and norm layers, and the layers' outputs on the documented probe inputs)
 back by our own loader (the trainer's --network_weights --dim_from_weights) and merge tool (merge_lora.py)."""
 from __future__ import annotations
 
-import json
 import math
 import re
 import zlib
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import cast_models
+from test_convert_to_lora import random_network_file
 
 import sdxl_train_network
 import train_network
@@ -28,19 +28,10 @@ def load(tiny_models, kind: str):
                                      model_config_dir=tiny_models[f"{kind}_config"])
 
 
-def random_network_file(models, label: str, path) -> None:
+def random_type_file(models, label: str, path) -> None:
     """The type's network with random weights (every module changes its layer; Full's biases too), saved."""
-    module, alpha, _ = registry.EXAMPLE_NETWORKS[label]
-    network_args = network_base.parse_network_args(registry.example_network_args(label, 2))
-    names = checkpoint_keys.unet_module_name_map(models.unet.config) if models.is_sdxl else None
-    network = registry.network_type(module).create_network(1.0, 4, alpha, None, models.text_encoders, models.unet,
-                                                           unet_module_names=names, **network_args)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in network.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    network_base.save_lora_file(network.lora_state_dict(), str(path), {
-        "ss_network_module": module, "ss_network_args": json.dumps(network_args)})
+    module, _, _ = registry.EXAMPLE_NETWORKS[label]
+    random_network_file(models, module, registry.example_network_args(label, 2), path)
 
 
 def network_changes(network, lora, layer) -> dict[str, torch.Tensor]:
@@ -113,7 +104,7 @@ def trainer_loads(tiny_models, kind: str, path) -> network_base.AdapterNetwork:
 def test_printed_error_is_the_written_files_and_our_tools_read_it(label, kind, tiny_models, tmp_path, capsys):
     models = load(tiny_models, kind)
     source, converted = tmp_path / "net.safetensors", tmp_path / "lora.safetensors"
-    random_network_file(models, label, source)
+    random_type_file(models, label, source)
     capsys.readouterr()
     convert_to_lora.main(["--sd_model", str(tiny_models[f"{kind}_file"]), "--model_config_dir",
                           str(tiny_models[f"{kind}_config"]), "--model", str(source), "--save_to", str(converted),
