@@ -337,12 +337,12 @@ def print_losses(conversion: Conversion, args: argparse.Namespace) -> None:
     modules = conversion.modules
 
     def share(parts: Sequence[ConvertedModule], weight_part: str, output_part: str) -> str:
-        weight = math.sqrt(sum(getattr(m, weight_part) ** 2 for m in parts) / sum(m.change_norm ** 2 for m in modules))
-        output = math.sqrt(sum(getattr(m, output_part) ** 2 for m in parts) / sum(m.effect_norm ** 2 for m in modules))
-        return f"{weight:.6g} of the network's change on the weights, {output:.6g} on the output"
+        def of_all(part: str, whole: str) -> float:
+            total = sum(getattr(module, whole) ** 2 for module in modules)
+            return math.sqrt(sum(getattr(module, part) ** 2 for module in parts) / total) if total > 0 else 0.0
+        return (f"{of_all(weight_part, 'change_norm'):.6g} of the network's change on the weights, "
+                f"{of_all(output_part, 'effect_norm'):.6g} on the output")
 
-    if not any(module.change_norm > 0 for module in modules):
-        return
     if conversion.with_bias_change:
         biased = conversion.with_bias_change
         print(f"a LoRA cannot hold bias changes: {len(biased)} module(s) change their bias (first: {biased[0].name}); "
