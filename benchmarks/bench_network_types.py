@@ -103,7 +103,7 @@ def trained_and_untrained_loss(models: dict, dataset: Path, label: str, precisio
     return run, statistics.mean(evaluated.losses), statistics.mean(untrained.losses)
 
 
-def stable_preset_report(steps: int) -> None:
+def stable_preset_report(steps: int, precisions: tuple[str, ...] = PRECISIONS) -> None:
     from tools.build_tiny_models import build_tiny_models
     from tools.make_demo_dataset import make_demo_dataset
 
@@ -112,8 +112,8 @@ def stable_preset_report(steps: int) -> None:
         models = build_tiny_models(root / "models")
         dataset = root / "data"
         make_demo_dataset(str(dataset), count=1, size=64, repeats=10)
-        training = {precision: set(TYPES) for precision in PRECISIONS}
-        for precision in PRECISIONS:
+        training = {precision: set(TYPES) for precision in precisions}
+        for precision in precisions:
             control = stable_preset_run(models, dataset, "networks.lora (Standard)", precision,
                                         root / f"control_{precision}", steps, CONTROL_LEARNING_RATE)
             for index, label in enumerate(TYPES):
@@ -126,8 +126,8 @@ def stable_preset_report(steps: int) -> None:
                       f"trained on: {trained_loss:.4f} trained, {untrained_loss:.4f} untrained "
                       f"({'down' if trained_loss < untrained_loss else 'NOT down'}, "
                       f"{time.perf_counter() - start:.0f} s)", flush=True)
-        both = training["fp16"] & training["bf16"]
-        print(f"{len(both)} of {len(TYPES)} types train under --grad_guard_preset stable in fp16 and bf16"
+        both = set.intersection(*training.values())
+        print(f"{len(both)} of {len(TYPES)} types train under --grad_guard_preset stable in {' and '.join(precisions)}"
               + (f" (not: {', '.join(sorted(set(TYPES) - both))})" if len(both) < len(TYPES) else ""))
 
 
@@ -170,9 +170,11 @@ def main() -> None:
                                                              "steps per type (default 4)")
     parser.add_argument("--stable_preset", action="store_true",
                         help="train each type with the real trainer under --grad_guard_preset stable (fp16, bf16)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="with --stable_preset: only this --mixed_precision (default: both)")
     args = parser.parse_args()
     if args.stable_preset:
-        stable_preset_report(args.steps)
+        stable_preset_report(args.steps, (args.precision,) if args.precision else PRECISIONS)
         return
     from tools.build_tiny_models import tiny_sdxl
 
