@@ -57,7 +57,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "skip_grad_norm": True,
         "grad_norm_log": True,
         "grad_cosine_log": True,
-        "skip_grad_norm_max": 200000.0,
+        # Relative limits, not the fork's absolute ones (200000 before the window is full, a cap in
+        # norm units): a gradient's scale depends on the network type (a full-weight delta's is ~150x a
+        # LoRA's) and on the loss scale, so an absolute number that suits a LoRA skips every step of
+        # LyCORIS Full (docs/grad_guard_spec.md, "The stable preset's relative limits").
+        "skip_grad_norm_warmup_factor": 20.0,
+        "skip_grad_norm_max_factor": 20.0,
         "nan_to_window": True,
         "inf_to_window": True,
         "skip_nan_immediate": False,
@@ -84,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--skip_grad_norm_max", type=float, default=None, metavar="NORM",
         help="upper cap on that threshold, in gradient-norm units (ignored until the window holds 200 norms). "
              "Default: no cap")
+    add("--skip_grad_norm_warmup_factor", type=float, default=None, metavar="FACTOR",
+        help="while the window holds fewer than 200 norms, the threshold is FACTOR x the median of the finite, "
+             "non-zero norms in it (the current one included) instead of 200000, so that it follows the run's own "
+             "gradient scale (network type, loss scale). 20 in --grad_guard_preset stable. "
+             "Default: 200000")
+    add("--skip_grad_norm_max_factor", type=float, default=None, metavar="FACTOR",
+        help="cap the threshold at FACTOR x the median of the finite, non-zero norms in the window (ignored until "
+             "it holds 200 norms): a cap in units of the run's own gradient scale; with "
+             "--skip_grad_norm_max too, the lower cap applies. 20 in --grad_guard_preset stable. Default: no cap")
     add("--grad_norm_log", action="store_true",
         help="write gradient_logs+<output_name>.txt (CSV, one row per optimizer step). Works without "
              "--skip_grad_norm. Default: off")
@@ -105,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use the four NaN/Inf options above for optimizer steps 1..N only; from step N+1 on: NaN/Inf are "
              "kept out of the window and skipped immediately. Default: the whole run")
     add("--auto_cap_release", action="store_true",
-        help="with --skip_grad_norm_max: when the uncapped threshold stays >= --cap_release_trigger_ratio * max "
+        help="with --skip_grad_norm_max (or --skip_grad_norm_max_factor): when the uncapped threshold stays >= "
+             "--cap_release_trigger_ratio * max "
              "for --cap_release_trigger_steps steps, raise the cap to max * --cap_release_scale for "
              "--cap_release_length steps. Default: off")
     add("--cap_release_trigger_ratio", type=float, default=0.66, metavar="RATIO",
@@ -124,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--idle_free_len", type=int, default=200, metavar="STEPS",
         help="length of a free phase, in optimizer steps (the starting one included). Default: 200")
     add("--grad_guard_preset", choices=sorted(PRESETS), default=None,
-        help="stable = --skip_grad_norm --grad_norm_log --grad_cosine_log --skip_grad_norm_max 200000 "
-             "--nan_to_window --inf_to_window --no-skip_nan_immediate --no-skip_inf_immediate; "
+        help="stable = --skip_grad_norm --grad_norm_log --grad_cosine_log --skip_grad_norm_warmup_factor 20 "
+             "--skip_grad_norm_max_factor 20 --nan_to_window --inf_to_window --no-skip_nan_immediate --no-skip_inf_immediate; "
              "minimal = --skip_grad_norm --grad_norm_log. Flags given explicitly (command line or config file) "
              "win over the preset. Default: none")
     add("--grad_norm_unscaled", action="store_true",
@@ -194,6 +209,8 @@ class GuardConfig:
 
     skip_grad_norm: bool = False
     skip_grad_norm_max: float | None = None
+    skip_grad_norm_warmup_factor: float | None = None
+    skip_grad_norm_max_factor: float | None = None
     nan_to_window: bool = False
     inf_to_window: bool = False
     skip_nan_immediate: bool = True
@@ -215,6 +232,8 @@ class GuardConfig:
                 raise UserError(f"--{name} must be a positive {unit} (got {value})")
 
         positive("skip_grad_norm_max", self.skip_grad_norm_max, "gradient norm")
+        positive("skip_grad_norm_warmup_factor", self.skip_grad_norm_warmup_factor, "factor")
+        positive("skip_grad_norm_max_factor", self.skip_grad_norm_max_factor, "factor")
         positive("cap_release_trigger_ratio", self.cap_release_trigger_ratio, "fraction")
         positive("cap_release_scale", self.cap_release_scale, "factor")
         for name in ("nan_inf_until_step", "cap_release_trigger_steps", "cap_release_length",
@@ -227,8 +246,9 @@ class GuardConfig:
     def from_args(cls, args: argparse.Namespace) -> GuardConfig:
         """Read the guard options from parsed args (after :func:`apply_preset`); warn about inert ones."""
         config = cls._read(args)
-        if config.auto_cap_release and config.skip_grad_norm_max is None:
-            logger.warning("--auto_cap_release has no effect without --skip_grad_norm_max")
+        if config.auto_cap_release and config.skip_grad_norm_max is None and config.skip_grad_norm_max_factor is None:
+            logger.warning("--auto_cap_release has no effect without --skip_grad_norm_max or "
+                           "--skip_grad_norm_max_factor")
         return config
 
     @classmethod
@@ -288,7 +308,8 @@ class GradGuard:
     Invariants:
       * ``window`` holds at most ``WINDOW_SIZE`` floats; NaN/Inf only when the
         options in force at that step let them in.
-      * ``release > 0`` only with ``auto_cap_release`` and ``skip_grad_norm_max``.
+      * ``release > 0`` only with ``auto_cap_release`` and a cap (``skip_grad_norm_max`` or
+        ``skip_grad_norm_max_factor``).
       * ``free_count == 0`` whenever not ``in_free``.
       * ``skipped_steps`` counts the ``decide`` calls that returned ``skip=True``.
       * The NaN/Inf options equal the config's until the ``--nan_inf_until_step``
@@ -353,12 +374,22 @@ class GradGuard:
                 self._idle = 0
                 self._free_count = 0
 
-        # 3. pre-cap threshold
+        # 3. pre-cap threshold (the relative warm-up threshold and cap: this project's, off by default)
         window_full = len(self._window) == WINDOW_SIZE
-        pre = _window_threshold(self._window) if window_full else WARMUP_THRESHOLD
+        relative = config.skip_grad_norm_warmup_factor is not None or config.skip_grad_norm_max_factor is not None
+        typical = _typical_norm(self._window) if relative else None
+        if window_full:
+            pre = _window_threshold(self._window)
+        elif config.skip_grad_norm_warmup_factor is None:
+            pre = WARMUP_THRESHOLD
+        else:
+            pre = math.inf if typical is None else config.skip_grad_norm_warmup_factor * typical
 
         # 4. cap and auto cap release
         cap = config.skip_grad_norm_max
+        if config.skip_grad_norm_max_factor is not None and typical is not None:
+            relative_cap = config.skip_grad_norm_max_factor * typical
+            cap = relative_cap if cap is None else min(cap, relative_cap)
         effective_max = cap
         if config.auto_cap_release and cap is not None:
             if self._release > 0:
@@ -472,6 +503,15 @@ def replay_decisions(rows: Sequence[tuple[int, float]], config: GuardConfig, eve
         elif step in healthy_steps:
             kept[step] = copy.deepcopy(guard.state_dict())
     return results
+
+
+def _typical_norm(window: Iterable[float]) -> float | None:
+    """The median of the window's finite, non-zero norms (the current one included): the run's own gradient
+    scale, which the relative limits are multiples of, robust to the spikes and NaN/Inf the guard is there
+    for; None while the window holds no such norm."""
+    values = np.fromiter(window, dtype=np.float64)
+    values = values[np.isfinite(values) & (values > 0)]
+    return float(np.median(values)) if values.size else None
 
 
 def _window_threshold(window: Iterable[float]) -> float:

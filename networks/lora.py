@@ -157,12 +157,16 @@ class LoRANetwork(AdapterNetwork):
                 modules.append(module)
             return modules
 
-        text_encoder_loras = [lora for targets in network_base.text_encoder_targets(text_encoders)
+        text_encoder_classes = network_base.TEXT_ENCODER_TARGET_MODULES if modules_dim is None else \
+            tuple(type(encoder).__name__ for encoder in text_encoders)
+        text_encoder_loras = [lora for targets in network_base.text_encoder_targets(text_encoders, text_encoder_classes)
                               for lora in create(targets, in_unet=False)]
-        with_convs = modules_dim is not None or (blocks.conv_dims is not None if blocks is not None else conv_lora_dim)
+        with_convs = blocks.conv_dims is not None if blocks is not None else conv_lora_dim
         unet_classes = network_base.UNET_TARGET_MODULES
         if with_convs:
             unet_classes = network_base.UNET_TARGET_MODULES + network_base.UNET_CONV_TARGET_MODULES
+        if modules_dim is not None:  # a file's modules: wherever they are (converted LyCORIS files hold conv_in,
+            unet_classes = (type(unet).__name__,)  # conv_out and the time embedding, which ComfyUI applies)
         unet_loras = create(network_base.unet_targets(unet, unet_module_names, unet_classes), in_unet=True)
         super().__init__(text_encoder_loras, unet_loras, multiplier, network_module)
         self.lora_dim = lora_dim

@@ -480,10 +480,12 @@ class AdapterNetwork(torch.nn.Module):
         unexpected = sorted(set(weights) - set(own))
         if missing or unexpected:
             detail = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+            from_file = (" (or build the network from the file's own modules with --dim_from_weights)"
+                         if source.startswith("--network_weights") else "")
             raise UserError(
                 f"{source}: keys do not match this network ({len(missing)} missing, "
                 f"{len(unexpected)} unexpected; {detail}); check --network_module, --network_dim, --network_args "
-                f"and the base model"
+                f"and the base model{from_file}"
             )
         for key, value in weights.items():
             if value.shape != own[key].shape:

@@ -43,6 +43,27 @@ NETWORK_MODULES = {
     "lycoris.kohya": "networks.lycoris_kohya",
 }
 
+# The 16 "LoRA type" choices of the kohya_ss GUI, one small working setting each: label -> (--network_module,
+# --network_alpha, --network_args); CONV_RANK in the args stands for the conv rank. Shared by the tests and
+# benchmarks that go over every type (docs/network_types.md describes each).
+EXAMPLE_NETWORKS: dict[str, tuple[str, float, tuple[str, ...]]] = {
+    "networks.lora (Standard)": ("networks.lora", 1.0, ()),
+    "networks.lora (LoCon)": ("networks.lora", 1.0, ("conv_dim=CONV_RANK", "conv_alpha=1")),
+    "networks.dylora": ("networks.dylora", 1.0, ("conv_dim=CONV_RANK", "unit=1")),
+    "networks.lora_fa": ("networks.lora_fa", 1.0, ("conv_dim=CONV_RANK", "conv_alpha=1")),
+    "networks.loha": ("networks.loha", 1.0, ("conv_dim=CONV_RANK", "conv_alpha=1")),
+    "networks.lokr": ("networks.lokr", 1.0, ("conv_dim=CONV_RANK", "conv_alpha=1")),
+    "networks.oft": ("networks.oft", 0.01, ("enable_conv=True",)),
+    **{f"lycoris {algo}": ("lycoris.kohya", 1.0, (f"algo={algo}", "conv_dim=CONV_RANK", "conv_alpha=1", *extra))
+       for algo, extra in (("locon", ()), ("loha", ()), ("lokr", ("factor=-1",)), ("ia3", ()), ("glora", ()),
+                           ("dylora", ("block_size=1",)), ("diag-oft", ()), ("boft", ()), ("full", ()))},
+}
+
+
+def example_network_args(label: str, conv_rank: int) -> list[str]:
+    """The ``--network_args`` of ``EXAMPLE_NETWORKS[label]`` with ``conv_rank`` filled in."""
+    return [arg.replace("CONV_RANK", str(conv_rank)) for arg in EXAMPLE_NETWORKS[label][2]]
+
 
 def network_type(name: str) -> ModuleType:
     """The module implementing ``--network_module name``; UserError naming the available ones."""

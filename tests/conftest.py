@@ -36,6 +36,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     global DEVICE
     config.addinivalue_line("markers", "device: device-relevant; runs on CUDA with --device cuda")
+    config.addinivalue_line("markers", "slow: minutes on 2 CPU cores (every network type trained or converted); "
+                                       "-m 'not slow' leaves them out")
     DEVICE = config.getoption("--device")
     if DEVICE == "cpu":
         # Before the first CUDA call, so in-process trainings and their subprocesses stay on CPU.

@@ -54,7 +54,8 @@ def test_boolean_optional_flags():
 def test_stable_preset_sets_everything_it_names():
     args = parse(["--grad_guard_preset", "stable"])
     assert args.skip_grad_norm and args.grad_norm_log and args.grad_cosine_log
-    assert args.skip_grad_norm_max == 200000
+    assert args.skip_grad_norm_max is None  # relative limits instead of the fork's absolute ones
+    assert args.skip_grad_norm_warmup_factor == 20 and args.skip_grad_norm_max_factor == 20
     assert args.nan_to_window and args.inf_to_window
     assert args.skip_nan_immediate is False and args.skip_inf_immediate is False
 
@@ -102,6 +103,7 @@ def test_unknown_preset_is_a_user_error():
     ("--skip_grad_norm_max", "-1"), ("--skip_grad_norm_max", "nan"), ("--cap_release_trigger_ratio", "0"),
     ("--cap_release_trigger_steps", "0"), ("--cap_release_length", "-5"), ("--cap_release_scale", "-3"),
     ("--idle_max_steps", "0"), ("--idle_free_len", "-1"), ("--nan_inf_until_step", "0"),
+    ("--skip_grad_norm_warmup_factor", "0"), ("--skip_grad_norm_max_factor", "inf"),
 ])
 def test_invalid_values_are_user_errors_naming_the_flag(flag, value):
     with pytest.raises(UserError, match=flag):
@@ -287,6 +289,47 @@ def test_a_nan_appended_to_the_window_resets_the_idle_counter():
     assert [d.thresh_off for d in decisions] == [0, 0, 0, 0, 0, 2]
 
 
+STABLE = GuardConfig.from_args(parse(["--grad_guard_preset", "stable"]))
+FORK_STABLE = GuardConfig.from_args(parse(["--skip_grad_norm", "--skip_grad_norm_max", "200000", "--nan_to_window",
+                                           "--inf_to_window", "--no-skip_nan_immediate", "--no-skip_inf_immediate"]))
+
+
+def test_relative_warm_up_threshold_is_a_multiple_of_the_median_norm_so_far():
+    # the current norm is in the window: the first two steps can never be above 20 x the median
+    assert [d.skip for d in run(STABLE, [1.0, 1e6])] == [False, False]
+    decisions = run(STABLE, [1.0] * 20 + [21.0])
+    assert decisions[-1].threshold == 20.0 and decisions[-1].skip  # median of 20 ones and 21.0: 1
+    assert not run(STABLE, [1.0] * 20 + [19.0])[-1].skip
+    # zeros and NaN/Inf do not count for the median; before any other norm nothing is skipped by threshold
+    decisions = run(STABLE, [0.0, NAN, INF, 2.0, 0.0, 50.0])
+    assert [d.threshold for d in decisions[:3]] == [INF, INF, INF] and not any(d.skip for d in decisions[:3])
+    assert decisions[3].threshold == 40.0 and decisions[5].threshold == 20 * 26.0
+
+
+def test_relative_cap_is_a_multiple_of_the_median_of_the_full_window():
+    decisions = run(STABLE, [1.0] * 195 + [1000.0] * 5 + [25.0, 19.0])
+    window = [1.0] * 195 + [1000.0] * 5
+    assert float(np.mean(window) + 2.5 * np.std(window)) > 400  # the spikes lift mean + 2.5 std ...
+    assert decisions[199].threshold == 20.0  # ... the cap holds it at 20 x the median (1)
+    assert decisions[200].skip and not decisions[201].skip
+    capped = GuardConfig(skip_grad_norm=True, skip_grad_norm_max=10.0, skip_grad_norm_max_factor=20.0)
+    assert run(capped, [1.0] * 195 + [1000.0] * 5)[-1].threshold == 10.0  # both caps: the lower one
+
+
+def test_stable_preset_trains_at_a_full_weight_gradient_scale_where_the_fork_values_skip_every_step():
+    """LyCORIS Full on the tiny SDXL in fp16: norms of 2.8e5..4.6e5 (loss scale 65536, measured); a LoRA's
+    are ~150 times smaller. The fork's absolute values (200000 in warm-up, then the cap) skip every step."""
+    rng = np.random.default_rng(0)
+    norms = [float(x) for x in rng.lognormal(math.log(3.5e5), 0.1, size=450)]
+    assert all(d.skip for d in run(FORK_STABLE, norms))
+    skipped = [step for step, d in enumerate(run(STABLE, norms), 1) if d.skip]
+    # only mean + 2.5 std's own few (the fork's window rule, scale-free), none in warm-up
+    assert len(skipped) <= 0.02 * len(norms) and all(step > 200 for step in skipped)
+    assert skipped == [step for step, d in enumerate(run(STABLE, [norm / 128 for norm in norms]), 1) if d.skip]
+    spiked = norms[:100] + [norms[100] * 25] + norms[101:]  # a spike in warm-up: above 20 x the median
+    assert [step for step, d in enumerate(run(STABLE, spiked), 1) if d.skip][0] == 101
+
+
 def test_agree_turns_a_local_keep_into_a_counted_skip():
     guard = GradGuard(SKIP)
     decision = guard.decide(1, 1.0, agree=lambda skip: True)
@@ -344,15 +387,24 @@ def reference_decisions(norms, c: GuardConfig):
                 in_free, idle, free_count = True, 0, 0
         window = np.array(history[-200:], dtype=np.float64)
         full = len(window) == 200
+        usable = sorted(value for value in window if math.isfinite(value) and value > 0)
+        middle = len(usable) // 2  # the median, by hand
+        median = None if not usable else (usable[middle] if len(usable) % 2 else (usable[middle - 1] + usable[middle]) / 2)
         with np.errstate(invalid="ignore"):
             pre = float(window.mean() + 2.5 * window.std()) if full else 200000.0
-        cap = c.skip_grad_norm_max
+        if not full and c.skip_grad_norm_warmup_factor is not None:
+            pre = INF if median is None else c.skip_grad_norm_warmup_factor * median
+        caps = [c.skip_grad_norm_max] if c.skip_grad_norm_max is not None else []
+        if c.skip_grad_norm_max_factor is not None and median is not None:
+            caps.append(c.skip_grad_norm_max_factor * median)
+        cap = min(caps) if caps else None
         if c.auto_cap_release and cap is not None:
+            base_cap = cap
             if release > 0:
-                cap = c.skip_grad_norm_max * c.cap_release_scale
+                cap = base_cap * c.cap_release_scale
                 pre = cap
                 release -= 1
-            elif pre == pre and pre >= c.cap_release_trigger_ratio * c.skip_grad_norm_max:
+            elif pre == pre and pre >= c.cap_release_trigger_ratio * base_cap:
                 trigger += 1
                 if trigger >= c.cap_release_trigger_steps:
                     release, trigger = c.cap_release_length, 0
@@ -376,6 +428,8 @@ configs = st.builds(
     GuardConfig,
     skip_grad_norm=st.booleans(),
     skip_grad_norm_max=st.one_of(st.none(), st.sampled_from([0.5, 1.5, 3.0, 100.0, 150000.0])),
+    skip_grad_norm_warmup_factor=st.one_of(st.none(), st.none(), st.sampled_from([1.5, 3.0, 20.0])),
+    skip_grad_norm_max_factor=st.one_of(st.none(), st.none(), st.sampled_from([1.2, 3.0, 20.0])),
     nan_to_window=st.booleans(), inf_to_window=st.booleans(),
     skip_nan_immediate=st.booleans(), skip_inf_immediate=st.booleans(),
     nan_inf_until_step=st.one_of(st.none(), st.integers(1, 400)),
@@ -410,6 +464,18 @@ def test_guard_matches_the_reference(config, norms):
         assert decision.thresh_off == off, step
         assert decision.threshold == threshold or (math.isnan(decision.threshold) and math.isnan(threshold)), step
     assert guard.skipped_steps == sum(skip for skip, _, _ in expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(norm_sequences(), st.integers(-40, 40))
+def test_stable_preset_decisions_do_not_depend_on_the_gradient_scale(norms, exponent):
+    """A network type's (or loss scale's) gradient scale multiplies every norm: the stable preset's decisions
+    stay the same (scaling by a power of two is exact, so equal means bit-equal)."""
+    factor = 2.0 ** exponent
+    plain, scaled = run(STABLE, norms), run(STABLE, [norm * factor for norm in norms])
+    assert [(d.skip, d.thresh_off) for d in plain] == [(d.skip, d.thresh_off) for d in scaled]
+    for a, b in zip(plain, scaled):
+        assert a.threshold * factor == b.threshold or (math.isnan(a.threshold) and math.isnan(b.threshold))
 
 
 @settings(max_examples=60, deadline=None)

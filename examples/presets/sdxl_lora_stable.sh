@@ -2,7 +2,8 @@
 # SDXL LoRA in fp16 with the gradient guard's "stable" preset, spelled out flag by flag
 # (the same as --grad_guard_preset stable): NaN/Inf norms go into the window and are not
 # skipped by the guard, so the GradScaler sees the overflow and lowers its scale; spikes
-# above mean + 2.5 std of the last 200 norms (at most 200000) are skipped; the gradient log
+# above mean + 2.5 std of the last 200 norms (at most 20 x their median; before 200 norms:
+# above 20 x the median so far, whatever the network type's gradient scale) are skipped; the gradient log
 # gets the Scale and CosineSim columns. Plot it with tools/plot_grad_log.py.
 # Edit the paths below, then run from anywhere: bash examples/presets/sdxl_lora_stable.sh
 set -euo pipefail
@@ -26,7 +27,7 @@ NAME="my_sdxl_lora"
   --train_batch_size 1 --max_train_steps 2000 --save_every_n_steps 500 \
   --mixed_precision fp16 --no_half_vae --gradient_checkpointing \
   --cache_latents --seed 42 \
-  --skip_grad_norm --skip_grad_norm_max 200000 \
+  --skip_grad_norm --skip_grad_norm_warmup_factor 20 --skip_grad_norm_max_factor 20 \
   --nan_to_window --inf_to_window \
   --no-skip_nan_immediate --no-skip_inf_immediate \
   --grad_norm_log --grad_cosine_log
