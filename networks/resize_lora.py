@@ -15,11 +15,11 @@ Rank per module: ``--new_rank`` (``--new_conv_rank`` for 3x3 convs, default ``--
 or with ``--dynamic_method`` the smallest rank meeting ``--dynamic_param`` (capped at
 ``--new_rank``):
 
-* ``sv_ratio X``: keep the singular values ``>= S[0] / X``;
+* ``sv_ratio X``: keep the singular values ``> S[0] / X``;
 * ``sv_fro X``: retained Frobenius fraction ``sqrt(sum S_r^2 / sum S^2) >= X`` (0 < X <= 1);
 * ``sv_cumulative X``: retained sum ``sum S_r / sum S >= X`` (0 < X <= 1).
 
-(kohya v0.11.1 chooses the same ranks; its older scripts kept one more singular value for sv_ratio.)
+(the ranks kohya v0.11.1 chooses, checked on the same files; kohya's v0.10.1 script kept one more value.)
 
 ``--svd_lowrank_niter N`` (kohya v0.10.2+, default 2; 0: always the full SVD): as kohya, a delta
 whose both dimensions exceed 2048 (3x3 convs flattened) is decomposed by ``torch.svd_lowrank`` with
@@ -83,7 +83,7 @@ def choose_rank(singular_values: torch.Tensor, max_rank: int, method: Optional[s
     if method is None or float(values[0]) <= MIN_SINGULAR_VALUE:
         rank = max_rank if float(values[0]) > MIN_SINGULAR_VALUE else 1
     elif method == "sv_ratio":
-        rank = int((values >= values[0] / param).sum())
+        rank = int((values > values[0] / param).sum())
     else:
         weights = values.pow(2) if method == "sv_fro" else values
         target = param ** 2 if method == "sv_fro" else param
