@@ -176,3 +176,20 @@ def test_merge_user_errors(loras, tiny_models, tmp_path):
                          str(tiny_models["sdxl_config"]), "--save_to", str(tmp_path / "x.safetensors"),
                          "--models", str(sd15_lora)])
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_sdxl_merge_lora_is_the_same_tool(lora_files, tmp_path):
+    """The GUI calls networks/sdxl_merge_lora.py for SDXL with the same flags: the same file comes out."""
+    outputs = []
+    for script in ("merge_lora.py", "sdxl_merge_lora.py"):
+        out = tmp_path / f"{script}.safetensors"
+        result = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / script), "--save_precision", "fp16",
+                                 "--precision", "float", "--save_to", str(out), "--models", str(lora_files["sdxl_0"]),
+                                 str(lora_files["sdxl_1"]), "--ratios", "1.0", "0.5", "--no_metadata"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "sdxl_merge_lora.py"), "--save_to",
+                              str(tmp_path / "x.safetensors"), "--models", str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "is a folder" in refused.stderr
