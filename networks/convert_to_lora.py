@@ -179,7 +179,7 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> None:
-    resize_lora.validate_ranks_and_output(args, ("dim", "conv_dim"), ("model", "sd_model"))
+    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim", input_flags=("model", "sd_model"))
     if args.max_error is not None and not 0 <= args.max_error < 1:
         raise UserError(f"--max_error {args.max_error}: give a relative error in [0, 1), e.g. 0.01")
 

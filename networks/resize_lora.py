@@ -115,34 +115,39 @@ def low_rank_module(delta: torch.Tensor, max_rank: int, method: Optional[str], p
     ``delta`` in its weight's shape (Linear ``(out, in)``, Conv2d ``(out, in, kh, kw)``): ``({"down", "up",
     "alpha"}, fro_retained, relative_error)``, float32 factors with ``sqrt(S / scale)`` on each side and
     ``alpha = scale * rank`` (or ``alpha`` given, then ``scale = alpha / rank``); ``relative_error = ||delta -
-    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta). From the full SVD both come from the
-    discarded singular values (Eckart-Young); from an approximate one (:func:`decompose`) they are measured on
-    the written float32 factors (the kept part is an orthogonal projection of ``delta``, so the retained
-    fraction is ``sqrt(1 - error^2)``)."""
+    up @ down * scale|| / ||delta||`` (Frobenius; 0 for a zero delta), from the discarded singular values.
+    After an approximate SVD (:func:`decompose`) both are measured on the written factors instead."""
     matrix = delta.double().reshape(delta.shape[0], -1)
     u, s, vh, approximate = decompose(matrix, max_rank, svd_lowrank_niter, lowrank_min_dim)
     rank = choose_rank(s, max_rank, method, param)
     if alpha is not None:
         scale = alpha / rank
+    squared = s.pow(2)
+    total = float(squared.sum())
+    fro_retained = math.sqrt(float(squared[:rank].sum()) / total) if total > 0 else 1.0
+    relative_error = math.sqrt(float(squared[rank:].sum()) / total) if total > 0 else 0.0
     root = torch.sqrt(s[:rank] / scale)
-    up = (u[:, :rank] * root).float()
-    down = (root[:, None] * vh[:rank]).float()
-    if approximate:
-        total = float(matrix.norm())
-        residual = float((matrix - (up.double() @ down.double()) * scale).norm())
-        relative_error = residual / total if total > 0 else 0.0
-        fro_retained = math.sqrt(max(0.0, 1.0 - relative_error ** 2)) if total > 0 else 1.0
-    else:
-        squared = s.pow(2)
-        total = float(squared.sum())
-        fro_retained = math.sqrt(float(squared[:rank].sum()) / total) if total > 0 else 1.0
-        relative_error = math.sqrt(float(squared[rank:].sum()) / total) if total > 0 else 0.0
+    up = u[:, :rank] * root
+    down = root[:, None] * vh[:rank]
+    if approximate:  # the discarded values of an approximate SVD do not give the error
+        fro_retained, relative_error = measured_fit(matrix, up.float(), down.float(), scale)
     if delta.dim() == 4:
         down = down.reshape(rank, *delta.shape[1:])
         up = up.reshape(*up.shape, 1, 1)
-    parts = {"down": down.contiguous(), "up": up.contiguous(),
+    parts = {"down": down.float().contiguous(), "up": up.float().contiguous(),
              "alpha": torch.tensor(scale * rank, dtype=torch.float32)}
     return parts, fro_retained, relative_error
+
+
+def measured_fit(matrix: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float) -> tuple[float, float]:
+    """``(fro_retained, relative_error)`` of ``up @ down * scale`` for ``matrix``, measured in float64: the error
+    ``||matrix - up @ down * scale|| / ||matrix||``; the kept part of a (randomised) SVD is an orthogonal
+    projection of ``matrix``, so the retained Frobenius fraction is ``sqrt(1 - error^2)``."""
+    total = float(matrix.norm())
+    if total == 0:
+        return 1.0, 0.0
+    error = float((matrix - (up.double() @ down.double()) * scale).norm()) / total
+    return math.sqrt(max(0.0, 1.0 - error ** 2)), error
 
 
 def resize_module(parts: Mapping[str, torch.Tensor], max_rank: int, method: Optional[str], param: Optional[float],
@@ -208,8 +213,7 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate_ranks_and_output(args: argparse.Namespace, rank_flags: Sequence[str], input_flags: Sequence[str]
-                              ) -> None:
+def validate_ranks_and_output(args: argparse.Namespace, *rank_flags: str, input_flags: Sequence[str] = ()) -> None:
     """The rank options (dests) are >= 1 when given, and ``--save_to`` names a .safetensors file that is
     none of the inputs (``input_flags``: dests of the input paths; ``library.tool_paths.check_output_path``)."""
     for flag in rank_flags:
@@ -220,7 +224,7 @@ def validate_ranks_and_output(args: argparse.Namespace, rank_flags: Sequence[str
 
 
 def validate(args: argparse.Namespace) -> None:
-    validate_ranks_and_output(args, ("new_rank", "new_conv_rank"), ("model",))
+    validate_ranks_and_output(args, "new_rank", "new_conv_rank", input_flags=("model",))
     if args.dynamic_method is not None:
         param = args.dynamic_param
         if param is None:
