@@ -127,11 +127,19 @@ def is_safetensors(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() == ".safetensors"
 
 
+TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
+"""How ``torch.save`` files start: a zip archive (since torch 1.6), or a pickle (protocol 2+) for legacy ones."""
+
+
 def load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
     """The tensors of a ``torch.save`` file (``.ckpt``/``.pt``; a top-level ``state_dict`` entry is
     unwrapped), read with ``weights_only`` so that no code is unpickled. OSError when it holds other objects."""
     import pickle
 
+    with open(path, "rb") as file:
+        start = file.read(4)
+    if not start.startswith(TORCH_SAVE_MAGIC):
+        raise OSError(f"not a torch.save (.ckpt/.pt) file nor safetensors: it starts with the bytes {start!r}")
     try:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -141,8 +149,9 @@ def load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # weights_only refuses arbitrary pickled objects; we never unpickle code.
-        raise OSError(f"it holds more than tensors and cannot be read safely; convert it to .safetensors "
-                      f"({first_line(error)})") from error
+        # torch's message advises weights_only=False, i.e. running the file's code: never pass that on.
+        raise OSError("it holds more than tensors (pickled objects) and is not read, as loading those could run "
+                      "code; convert it to .safetensors with a tool you trust") from error
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
         checkpoint = checkpoint["state_dict"]
     if not isinstance(checkpoint, dict):

@@ -358,6 +358,23 @@ def read_events(path: str | os.PathLike[str], up_to: int | None = None) -> list[
     return kept
 
 
+def read_events_for_tool(path: str | os.PathLike[str], source: str) -> list[list[str]]:
+    """:func:`read_events` for the offline tools: UserError naming ``source`` (the flag or file) for a file
+    that is not UTF-8 CSV text, or a ``rewind`` row whose Detail is not the step it went back to."""
+    try:
+        rows = read_events(path)
+    except (UnicodeDecodeError, csv.Error):
+        raise UserError(f"{source}: not a text events file (UTF-8 CSV Step,Event,Detail, as the trainer writes "
+                        f"healing_log+<name>.txt)") from None
+    except OSError as error:
+        raise UserError(f"{source}: cannot read it ({error.strerror or error})") from None
+    for step, kind, detail in rows:
+        if kind == "rewind" and not (detail.strip().isascii() and detail.strip().isdigit()):
+            raise UserError(f"{source}: the rewind at step {step} has Detail {detail!r}; a rewind's Detail is "
+                            f"the step it went back to (a whole number)")
+    return rows
+
+
 def _csv_line(values: Iterable[str]) -> str:
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="\n").writerow(values)

@@ -308,7 +308,7 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> None:
-    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim")
+    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim", input_flags=("model", "sd_model"))
     if args.max_error is not None and not 0 <= args.max_error < 1:
         raise UserError(f"--max_error {args.max_error}: give a relative error in [0, 1), e.g. 0.01")
 
@@ -379,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = setup_parser().parse_args(argv)
     validate(args)
     source = network_base.read_lora_metadata(args.model) if Path(args.model).is_file() else {}
+    kind = merge_lora.detect_kind(Path(args.sd_model), args)
+    merge_lora.check_networks_fit([args.model], "--sd_model", args.sd_model, kind, "--model")  # reads the file
     models = merge_lora.load_base_model(args)
     network = load_network(models, args.model)
     dtype = SAVE_DTYPES[args.save_precision] or torch.float32

@@ -435,12 +435,14 @@ class AdapterNetwork(torch.nn.Module):
 
     # -- merging ---------------------------------------------------------------------
     @torch.no_grad()
-    def merge_into_model(self, multiplier: float) -> int:
+    def merge_into_model(self, multiplier: float, module_weight: Optional[Callable[[str], float]] = None) -> int:
         """Write every module's ``merged_parameters(multiplier)`` into the wrapped module's parameters
-        (cast to their dtype), in place. Call before ``apply_to``. Returns the number of modules merged."""
+        (cast to their dtype), in place; ``module_weight(lora_name)`` (optional, e.g. ``--lbws``) scales
+        each module's multiplier. Call before ``apply_to``. Returns the number of modules merged."""
         for lora in self.all_loras():
             org_module = self.wrapped_module(lora)
-            for name, value in self.merged_parameters(lora, multiplier).items():
+            weight = 1.0 if module_weight is None else module_weight(lora.lora_name)
+            for name, value in self.merged_parameters(lora, multiplier * weight).items():
                 own = getattr(org_module, name)
                 if value.shape != own.shape:
                     raise UserError(f"{lora.lora_name}: merging gives a {tuple(value.shape)} {name} for a "
@@ -509,13 +511,15 @@ class AdapterNetwork(torch.nn.Module):
 def read_lora_file(path: str) -> dict[str, torch.Tensor]:
     """All tensors of a network file (safetensors, or a ``.ckpt``/``.pt`` state dict as kohya's
     ``--save_model_as`` writes them); a missing or corrupt file is a UserError."""
+    if os.path.isdir(path):
+        raise UserError(f"LoRA file {path} is a folder; give the network file (.safetensors) inside it")
     if not os.path.isfile(path):
         raise UserError(f"LoRA file {path} does not exist")
     if not checkpoint_files.is_safetensors(path):
         try:
             weights = checkpoint_files.load_pickled_state_dict(Path(path))
         except Exception as error:  # torch.load raises several types for damaged files
-            raise UserError(f"LoRA file {path} is not a readable torch state dict ({first_line(error)})") from None
+            raise UserError(f"LoRA file {path} is not a network file: {first_line(error)}") from None
         if not all(isinstance(value, torch.Tensor) for value in weights.values()):
             raise UserError(f"LoRA file {path} holds other objects than tensors; not a LoRA state dict")
         return dict(weights)

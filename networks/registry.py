@@ -85,6 +85,9 @@ def validate(name: str, network_args: Mapping[str, str], float8_flag: Optional[s
 # Files of these types hold only lora_down / lora_up / alpha tensors (LoRA, LoCon, DyLoRA, LoRA-FA):
 # LoRA tools (resizing, merging into one LoRA) read them all.
 LORA_FORMAT_SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha")
+# Every network file's module names start so (kohya's LoRA/LyCORIS prefixes, kohya's OFT); checkpoints' do not.
+NETWORK_KEY_PREFIXES = ("lora_", "oft_")
+CHECKPOINT_KEY_PREFIXES = ("model.", "conditioner.", "first_stage_model.", "cond_stage_model.", "text_encoders.")
 # Our types' tensor names, to recognise a file without ss_network_module metadata.
 _SUFFIX_PREFIXES = {"networks.loha": "hada_", "networks.lokr": "lokr_", "networks.oft": "oft_blocks"}
 
@@ -92,6 +95,11 @@ _SUFFIX_PREFIXES = {"networks.loha": "hada_", "networks.lokr": "lokr_", "network
 def file_network_module(weights: Mapping[str, torch.Tensor], metadata: Mapping[str, str], source: str) -> str:
     """The ``--network_module`` that wrote a network file: its ``ss_network_module`` when listed here,
     else recognised from its tensor names (LyCORIS' other names: lycoris.kohya)."""
+    if weights and not any(key.startswith(NETWORK_KEY_PREFIXES) for key in weights):
+        example = next(iter(weights))
+        what = " (a Stable Diffusion checkpoint?)" if example.startswith(CHECKPOINT_KEY_PREFIXES) else ""
+        raise UserError(f"{source}: not a network file{what}: its tensors are named like {example}, a network "
+                        f"file's like {NETWORK_KEY_PREFIXES[0]}unet_...")
     name = metadata.get("ss_network_module")
     if name in NETWORK_MODULES:
         return name

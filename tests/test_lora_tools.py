@@ -145,7 +145,8 @@ def test_full_rank_resize_reproduces_delta(trained_lora, tmp_path):
 
 def test_dynamic_rank_choice():
     singular_values = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5])
-    assert resize_lora.choose_rank(singular_values, 16, "sv_ratio", 4.0) == 3       # >= 8/4
+    assert resize_lora.choose_rank(singular_values, 16, "sv_ratio", 4.0) == 2       # > 8/4, as kohya
+    assert resize_lora.choose_rank(singular_values, 16, "sv_ratio", 4.5) == 3
     assert resize_lora.choose_rank(singular_values, 2, "sv_ratio", 4.0) == 2        # capped
     fro = [math.sqrt(sum(v * v for v in singular_values[:r].tolist()) / float(singular_values.pow(2).sum()))
            for r in range(1, 6)]
@@ -179,3 +180,50 @@ def test_lora_tools_refuse_modules_with_lycoris_extras(extra):
         resize_lora.resize_weights(weights, 1)
     del weights[f"lora_unet_a.{extra}"]
     assert resize_lora.resize_weights(weights, 1)[0]["lora_unet_a.lora_down.weight"].shape == (1, 8)
+
+
+def synthetic_lora(out: int, inner: int, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"lora_unet_a.lora_down.weight": torch.randn(rank, inner, generator=generator),
+            "lora_unet_a.lora_up.weight": torch.randn(out, rank, generator=generator),
+            "lora_unet_a.alpha": torch.tensor(rank / 2)}
+
+
+def test_svd_lowrank_is_seeded_and_its_reported_error_is_measured():
+    """--svd_lowrank_niter: kohya's torch.svd_lowrank path (here below kohya's 2048 bound, so that it is cheap),
+    the same factors on every run, the caller's random state untouched, and the reported error the written
+    LoRA's actual error, never below the full SVD's (Eckart-Young)."""
+    weights = synthetic_lora(96, 80, 24)
+    original = lora_delta(lora_modules(weights)["lora_unet_a"], torch.float64)
+    state = torch.random.get_rng_state()
+    first, (result,) = resize_lora.resize_weights(weights, 6, svd_lowrank_niter=1, lowrank_min_dim=16)
+    second, _ = resize_lora.resize_weights(weights, 6, svd_lowrank_niter=1, lowrank_min_dim=16)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    written = lora_delta(lora_modules(first)["lora_unet_a"], torch.float64)
+    measured = float((written - original).norm() / original.norm())
+    assert abs(result.relative_error - measured) <= 1e-6 * measured  # float32 factors vs the float64 measure
+    assert abs(result.fro_retained ** 2 + result.relative_error ** 2 - 1) <= 1e-6
+    _, (full,) = resize_lora.resize_weights(weights, 6, svd_lowrank_niter=0)
+    assert full.relative_error <= result.relative_error + 1e-9
+    # kohya's rule: below 2048 rows or columns the full SVD is used whatever --svd_lowrank_niter says
+    default, _ = resize_lora.resize_weights(weights, 6, svd_lowrank_niter=2)
+    exact, _ = resize_lora.resize_weights(weights, 6, svd_lowrank_niter=0)
+    assert all(torch.equal(default[key], exact[key]) for key in default)
+
+
+def test_svd_lowrank_niter_flag(tmp_path):
+    source = tmp_path / "in.safetensors"
+    from networks.network_base import save_lora_file
+
+    save_lora_file(synthetic_lora(40, 30, 8), str(source), {})
+    with pytest.raises(UserError, match="--svd_lowrank_niter"):
+        resize_lora.main(["--model", str(source), "--save_to", str(tmp_path / "o.safetensors"),
+                          "--svd_lowrank_niter", "-1"])
+    outputs = []
+    for niter in ("0", "2"):  # the GUI always passes it; both accepted, same result on these shapes
+        out = tmp_path / f"n{niter}.safetensors"
+        resize_lora.main(["--model", str(source), "--save_to", str(out), "--new_rank", "3", "--device", "cuda",
+                          "--svd_lowrank_niter", niter])
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]

@@ -52,10 +52,24 @@ import numpy as np  # noqa: E402
 
 from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
+from library.tool_paths import check_output_path  # noqa: E402
 from library.grad_log import (  # noqa: E402
     BASE_COLUMNS, add_fork_arguments, check_fork_arguments, events_path, fork_layout_note, fork_replay_config,
-    is_fork_layout, parse_cell, read_events,
+    is_fork_layout, parse_cell, read_events_for_tool,
 )
+
+FIGURE_WIDTH_IN = 12.0
+MAX_DPI = 600
+"""The largest --dpi: a 12 x ~9-inch figure at 600 dpi is about 40 million pixels (160 MB while drawn);
+far larger ones exhaust the memory (--dpi 100000 would need terabytes)."""
+
+
+def image_suffixes() -> tuple[str, ...]:
+    """The file suffixes matplotlib writes (``--out``'s suffix picks the format)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return tuple(f".{suffix}" for suffix in FigureCanvasBase.get_supported_filetypes())
+
 
 THRESH_OFF_SHADES = {1: ("#f4c542", "ThreshOff=1 (threshold NaN)"), 2: ("#7fb3e6", "ThreshOff=2 (idle-free phase)")}
 
@@ -150,7 +164,7 @@ def read_gradient_log(path: str | Path) -> GradientLogData:
         data.fork_layout = True
     data.skipped = logged_skips(data)
     if not data.fork_layout:
-        data.events = read_events(events_path(path))
+        data.events = read_events_for_tool(events_path(path), str(events_path(path)))
     return data
 
 
@@ -273,7 +287,7 @@ def decimate(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np
 
 
 def draw_logs(logs: Sequence[GradientLogData], *, smooth: int | None = None, title: str | None = None,
-              dpi: int = 100, width_in: float = 12.0):
+              dpi: int = 100, width_in: float = FIGURE_WIDTH_IN):
     """The figure of ``logs`` (matplotlib Agg; the caller saves and closes it). Artists tests look for
     carry a gid: ``skipped`` (red x per finite skipped step), ``nan``/``inf`` (one marker per such
     row; ``-<index>`` of the log appended), ``threshoff-1``/``threshoff-2`` (the shaded runs)."""
@@ -384,7 +398,7 @@ def draw_logs(logs: Sequence[GradientLogData], *, smooth: int | None = None, tit
 
 
 def plot_logs(logs: Sequence[GradientLogData], out: str | Path, *, smooth: int | None = None,
-              title: str | None = None, dpi: int = 100, width_in: float = 12.0) -> Path:
+              title: str | None = None, dpi: int = 100, width_in: float = FIGURE_WIDTH_IN) -> Path:
     """Draw ``logs`` (see :func:`draw_logs`) into one PNG at ``out`` (parents created); returns the path."""
     import matplotlib.pyplot as plt
 
@@ -435,6 +449,13 @@ def main(argv: Sequence[str] | None = None) -> Path:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag} must be a positive integer (got {value})")
+    if args.dpi > MAX_DPI:
+        raise UserError(f"--dpi {args.dpi}: at most {MAX_DPI} (a {FIGURE_WIDTH_IN:g}-inch-wide figure is then "
+                        f"{int(FIGURE_WIDTH_IN * MAX_DPI)} pixels wide); e.g. --dpi 200 for a sharper image")
+    out = Path(args.out) if args.out else Path(args.logs[0]).with_suffix(".png")
+    inputs = [("LOG", path) for path in args.logs] + [("its events file", str(events_path(path)))
+                                                              for path in args.logs]
+    check_output_path("--out", str(out), inputs, suffixes=image_suffixes())
     low, high = parse_step_range(args.steps)
     logs = []
     for path in args.logs:
@@ -453,7 +474,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
         if len(log) == 0:
             raise UserError(f"{path}: no rows to plot" + (f" in --steps {args.steps}" if args.steps else ""))
         logs.append(log)
-    out = Path(args.out) if args.out else Path(args.logs[0]).with_suffix(".png")
     plot_logs(logs, out, smooth=args.smooth, title=args.title, dpi=args.dpi)
     print(f"wrote {out} ({', '.join(f'{log.name}: {len(log)} rows, {int(log.skipped.sum())} skipped' for log in logs)})")
     return out

@@ -34,9 +34,10 @@ from typing import Sequence  # noqa: E402
 
 from library import atomic_files, grad_guard  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
+from library.tool_paths import check_output_path  # noqa: E402
 from library.grad_log import (  # noqa: E402
     add_fork_arguments, check_fork_arguments, events_path, fork_layout_note, fork_replay_config, format_number,
-    is_fork_layout, parse_cell, read_events,
+    is_fork_layout, parse_cell, read_events_for_tool,
 )
 
 OUTPUT_COLUMNS = ("Step", "Gradient Norm", "Threshold", "ThreshOff", "Skipped")
@@ -91,7 +92,7 @@ def read_run_events(log: Path, events: str | None) -> list[list[str]] | None:
         if events:
             raise UserError(f"--events {events}: no such file")
         return None
-    return read_events(path)
+    return read_events_for_tool(path, f"--events {events}" if events else str(path))
 
 
 def write_replay(path: Path, results: Sequence[tuple[int, float, grad_guard.GuardDecision]],
@@ -144,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     grad_guard.apply_preset(args, grad_guard.explicit_dests(parser, argv))
     check_fork_arguments(args)
     config = grad_guard.GuardConfig.from_args(args)
+    check_output_path("--out", args.out, [("LOG", args.log), ("--events", args.events or str(events_path(args.log)))],
+                      suffixes=(".csv", ".txt"))
     rows, fork_epochs = read_norms(Path(args.log))
     announce = None
     if fork_epochs is not None:
