@@ -346,6 +346,7 @@ class NetworkTrainer:
         data = self.build_data(args, accelerator)
         if data is None:
             return None
+        ema.check_steps(args, args.max_train_steps)  # the steps are known once the data is
         models, network, loss = self.build_model(args, accelerator, data)
         optimization = self.build_optimization(args, accelerator, network, data)
         states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data,
@@ -374,6 +375,12 @@ class NetworkTrainer:
         sampling.drop_unused_prompt_file(args)  # before loading: decides whether sampling keeps the VAE/text encoders
         grad_guard.apply_preset(args, explicit)
         healing.apply_preset(args, explicit)
+        if args.nan_report:  # known now (the preset may turn it on); found taken mid-run it was a traceback
+            report = nan_report.report_path(args.output_dir, args.output_name)
+            if report.is_dir():
+                raise UserError(f"--nan_report: {report}, where the report is written, is a folder; move it away "
+                                f"or choose another --output_name")
+            preflight.require_writable_file("--nan_report", report)
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
@@ -395,6 +402,8 @@ class NetworkTrainer:
         min_bucket_steps = 32 if self.is_sdxl else 64
         dataset = datasets.build_dataset(args, min_bucket_steps)
         dataset.poisoned = healing.parse_sample_injections(args.debug_inject_sample)
+        healing.check_sample_injections(dataset.poisoned, [image.path for image in dataset.plan.images])
+        losses.check_masks(args, [image.path for image in dataset.plan.images if image.subset.alpha_mask])
         validation_dataset = datasets.build_validation_dataset(args, dataset, min_bucket_steps)
         if args.debug_dataset:  # captions as at the start of training (token warm-up)
             dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, 1, args.max_train_steps)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -135,13 +136,22 @@ class HealingConfig:
         return cls(**{item.name: getattr(args, item.name, item.default) for item in fields(cls)})
 
 
+REWIND_OPTIONS = ("rewind_every_n_steps", "rewind_lr_factor", "max_rewinds")
+"""Options that shape the rewinds only: given without rewinding, they would do nothing."""
+
+
 def apply_preset(args: argparse.Namespace, explicit: set[str]) -> None:
-    """``--grad_guard_preset stable`` turns the healing on; flags in ``explicit`` keep the user's value."""
-    if getattr(args, "grad_guard_preset", None) != "stable":
-        return
-    for dest, value in PRESET.items():
-        if dest not in explicit:
-            setattr(args, dest, value)
+    """``--grad_guard_preset stable`` turns the healing on; flags in ``explicit`` keep the user's value.
+    Then refuses a rewind option the user gave (``explicit``) while rewinding stays off (as the EMA's
+    options without ``--ema_decay``)."""
+    if getattr(args, "grad_guard_preset", None) == "stable":
+        for dest, value in PRESET.items():
+            if dest not in explicit:
+                setattr(args, dest, value)
+    given = [dest for dest in REWIND_OPTIONS if dest in explicit]
+    if given and not args.rewind_on_divergence:
+        raise UserError(f"--{given[0]} shapes the rewinds of --rewind_on_divergence, which is off: add "
+                        f"--rewind_on_divergence (or --grad_guard_preset stable), or remove --{given[0]}")
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
@@ -161,6 +171,17 @@ def parse_sample_injections(items: Optional[Sequence[str]]) -> dict[str, float]:
             raise UserError(f"--debug_inject_sample {item}: expected NAME=nan or NAME=inf (NAME: an image file name)")
         injections[name] = values[value]
     return injections
+
+
+def check_sample_injections(injections: Mapping[str, float], image_paths: Sequence[str]) -> None:
+    """Every ``--debug_inject_sample`` NAME names an image of the training set (file name, with or without
+    its extension): one that matches none would inject nothing, silently."""
+    names = {os.path.basename(path) for path in image_paths}
+    names |= {os.path.splitext(name)[0] for name in names}
+    for name in injections:
+        if name not in names:
+            raise UserError(f"--debug_inject_sample {name}=...: no image of the training set is named {name} "
+                            f"(give an image's file name, with or without its extension)")
 
 
 # --------------------------------------------------------------------------- decision core

@@ -177,6 +177,11 @@ class LoraWriter:
         nothing is written."""
         if self.ema is None:
             return self._write(network, file_name, step, epoch, {})
+        if self.ema.updates == 0:  # it holds the untrained weights: writing it would replace a good file with them
+            print(f"\nnot saving {self._path(file_name)}: the EMA has not updated yet (its first update is after "
+                  f"{self.ema.config.update_every} trained steps, --ema_update_every); no file written or removed",
+                  flush=True)
+            return None
         path = self._write(network, file_name, step, epoch, self.ema.config.file_metadata("ema"))
         if path is not None and self.ema.config.save_raw:
             with self.ema.training_weights():

@@ -1,0 +1,111 @@
+"""Careless users, fourth sweep (issue 29, the trainer's findings): each mistake is one line naming the
+flag or file and what is valid (exit code 2), before the model is loaded where it can be known then,
+and nothing good on disk is replaced by an untrained LoRA."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_trainer, train_expecting_user_error
+from PIL import Image
+from test_bad_input import output_dir  # noqa: F401  (the fixture: an output folder holding an earlier LoRA)
+from test_bad_input import base_args, run_expecting_user_error, unloadable_model_args
+
+import train_network
+from library import config_file
+from library.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def early_argv(tiny_models, dataset: Path, output_dir: Path, tmp_path: Path) -> list[str]:
+    """A run whose model fails as soon as it is loaded: a refusal naming something else came before the load."""
+    return unloadable_model_args(tiny_models, tmp_path) + base_args(tiny_models, dataset, output_dir)[4:]
+
+
+def transparent_dataset(root: Path, alpha: int) -> Path:
+    """A DreamBooth folder (``1_sks``) of two 64 px RGBA images whose alpha is ``alpha`` everywhere."""
+    folder = root / "1_sks"
+    folder.mkdir(parents=True)
+    for index in range(2):
+        pixels = np.full((64, 64, 4), 120, dtype=np.uint8)
+        pixels[..., 3] = alpha
+        Image.fromarray(pixels, "RGBA").save(folder / f"img{index}.png")
+        (folder / f"img{index}.txt").write_text("sks", encoding="utf-8")
+    return root
+
+
+# -- refused before the model loads ----------------------------------------------------------------
+def test_mistakes_are_refused_before_the_model_loads(tiny_models, demo_dataset, output_dir, capsys, tmp_path):
+    argv = early_argv(tiny_models, demo_dataset, output_dir, tmp_path)
+    no_alpha_config = tmp_path / "dataset.toml"
+    no_alpha_config.write_text(f"[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = '{demo_dataset / '1_shape'}'\n"
+                               f"caption_extension = '.txt'\n", encoding="utf-8")
+    cases = [
+        # the average would never update: every file the untrained LoRA, exit 0
+        (["--ema_decay", "0.9", "--ema_update_every", "5"],
+         "--ema_update_every 5: the run trains 2 optimizer steps, so the average would never update"),
+        (["--max_train_epochs", "1", "--ema_decay", "0.9", "--ema_update_every", "5"],  # 4 images: 4 steps
+         "--ema_update_every 5: the run trains 4 optimizer steps"),
+        # rewind options while rewinding is off (the EMA's options refuse the same mistake)
+        (["--rewind_lr_factor", "0.5"], "--rewind_lr_factor shapes the rewinds of --rewind_on_divergence, which is off"),
+        (["--grad_guard_preset", "stable", "--no-rewind_on_divergence", "--max_rewinds", "3"],
+         "--max_rewinds shapes the rewinds"),
+        # a name no image has injects nothing
+        (["--debug_inject_sample", "nomatch.png=nan"],
+         "--debug_inject_sample nomatch.png=...: no image of the training set is named nomatch.png"),
+        # masks promised, none configured
+        (["--train_data_dir", "", "--dataset_config", str(no_alpha_config), "--masked_loss"],
+         f"--masked_loss: no subset of --dataset_config {no_alpha_config} sets alpha_mask = true"),
+    ]
+    for flags, expected in cases:
+        message = run_expecting_user_error(capsys, argv + flags, output_dir)
+        assert expected in message, (flags, message)
+    # the same run without a mistake gets as far as the model (so the cases above were refused before it)
+    assert "unloadable.ckpt" in run_expecting_user_error(capsys, argv, output_dir)
+
+
+def test_rewind_options_with_rewinding_on_are_accepted(tiny_models, demo_dataset, output_dir, capsys, tmp_path):
+    argv = early_argv(tiny_models, demo_dataset, output_dir, tmp_path)
+    for flags in (["--rewind_on_divergence", "--rewind_lr_factor", "0.5"],
+                  ["--grad_guard_preset", "stable", "--max_rewinds", "3"]):
+        assert "unloadable.ckpt" in run_expecting_user_error(capsys, argv + flags, output_dir)
+
+
+def test_every_alpha_mask_empty_is_refused_before_the_model_loads(tiny_models, output_dir, capsys, tmp_path):
+    empty = transparent_dataset(tmp_path / "empty", alpha=0)
+    argv = early_argv(tiny_models, empty, output_dir, tmp_path) + ["--masked_loss", "--alpha_mask"]
+    message = run_expecting_user_error(capsys, argv, output_dir)
+    assert "--masked_loss: the alpha mask of every image is empty (fully transparent, e.g. " in message
+    assert "img0.png" in message
+    # one visible pixel is enough to train on
+    visible = transparent_dataset(tmp_path / "visible", alpha=0)
+    pixels = np.asarray(Image.open(visible / "1_sks" / "img1.png")).copy()
+    pixels[10, 10, 3] = 255
+    Image.fromarray(pixels, "RGBA").save(visible / "1_sks" / "img1.png")
+    argv = early_argv(tiny_models, visible, output_dir, tmp_path) + ["--masked_loss", "--alpha_mask"]
+    assert "unloadable.ckpt" in run_expecting_user_error(capsys, argv, output_dir)
+
+
+def test_nan_report_path_taken_by_a_folder_is_refused_before_training(tiny_models, demo_dataset, output_dir, capsys,
+                                                                      tmp_path):
+    (output_dir / "last-nan_report.txt").mkdir()
+    argv = early_argv(tiny_models, demo_dataset, output_dir, tmp_path) + ["--grad_guard_preset", "stable"]
+    message = train_expecting_user_error(argv, capsys)
+    assert f"--nan_report: {output_dir / 'last-nan_report.txt'}, where the report is written, is a folder" in message
+    assert sorted(os.listdir(output_dir)) == ["last-nan_report.txt", "last.safetensors"]
+
+
+def test_the_same_option_in_two_config_tables_is_refused(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[model]\nlearning_rate = 1e-3\n[training]\nlearning_rate = 0.5\n", encoding="utf-8")
+    with pytest.raises(UserError) as refused:
+        config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
+    assert str(refused.value) == (f"--config_file {config}: learning_rate is set twice, as model.learning_rate and "
+                                  f"as training.learning_rate; keep one of them")
+    config.write_text("[model]\nlearning_rate = 1e-3\n[training]\nunet_lr = 0.5\n", encoding="utf-8")
+    args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
+    assert (args.learning_rate, args.unet_lr) == (1e-3, 0.5)
