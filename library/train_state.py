@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save
 from library import atomic_files, kohya_state, optimizers
 from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
+from library.datasets.config import parse_resolution_wh
 from library.ema import EmaConfig
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -195,6 +196,19 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         # what shapes the EMA of the weights (None without one, as in states written before it existed)
         "ema": EmaConfig.from_args(args).averaging(),
     }
+
+
+def comparable(key: str, value: Any) -> Any:
+    """A protected argument as resume compares it: one setting spelled two ways is one value (``--resolution
+    64`` is ``64,64``; optimizer names are case-insensitive, as ``--optimizer_type`` reads them)."""
+    if key == "resolution" and value is not None:
+        try:
+            return list(parse_resolution_wh(value, "--resolution"))
+        except UserError:
+            return value
+    if key == "optimizer_type" and isinstance(value, str):
+        return value.lower()
+    return value
 
 
 def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[Path]:
@@ -405,7 +419,7 @@ class StateStore:
         manifest = json.loads((path / MANIFEST).read_text())
         saved = manifest.get("arguments", {})
         for key in sorted(set(saved) | set(self.protected)):
-            if saved.get(key) != self.protected.get(key):
+            if comparable(key, saved.get(key)) != comparable(key, self.protected.get(key)):
                 raise UserError(
                     f"--resume {path}: the state was written with {key}={saved.get(key)!r}, this run has "
                     f"{key}={self.protected.get(key)!r}; resume with the same settings"

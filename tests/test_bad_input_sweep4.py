@@ -109,3 +109,56 @@ def test_the_same_option_in_two_config_tables_is_refused(tmp_path):
     config.write_text("[model]\nlearning_rate = 1e-3\n[training]\nunet_lr = 0.5\n", encoding="utf-8")
     args, _ = config_file.parse_args(train_network.setup_parser(), ["--config_file", str(config)])
     assert (args.learning_rate, args.unet_lr) == (1e-3, 0.5)
+
+
+# -- resume: a state that cannot fit is refused before the model loads; one setting spelled two ways fits --------
+@pytest.fixture(scope="module")
+def trained_state(tiny_models, demo_dataset, tmp_path_factory) -> tuple[list[str], Path]:
+    """(the run's flags, its final state folder): a 1-step tiny SDXL run with --save_state."""
+    output = tmp_path_factory.mktemp("state_run")
+    argv = base_args(tiny_models, demo_dataset, output) + ["--max_train_steps", "1", "--save_state", "--seed", "1",
+                                                           "--optimizer_type", "AdamW"]
+    run_trainer("sdxl_train_network", argv)
+    return argv, output / "last-state"
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading the model is a user error naming it: a refusal that names something else came before the load
+    (a state's model is protected by name and size, so an unloadable stand-in cannot be used)."""
+    def refuse(*args, **kwargs):
+        raise UserError("the model was loaded")
+    monkeypatch.setattr(train_network.NetworkTrainer, "load_models", refuse)
+
+
+def resume_argv(trained_state, output_dir: Path) -> list[str]:
+    """The state's run resumed into ``output_dir``."""
+    argv, state = trained_state
+    argv = list(argv)
+    argv[argv.index("--output_dir") + 1] = str(output_dir)
+    return argv + ["--resume", str(state)]
+
+
+def test_a_state_that_cannot_fit_the_network_is_refused_before_the_model_loads(trained_state, output_dir, capsys,
+                                                                              no_model_load):
+    argv = resume_argv(trained_state, output_dir)
+    state = trained_state[1]
+    cases = [
+        (["--network_dim", "8"], "the state was written with network_dim=None, this run has network_dim=8"),
+        (["--network_module", "networks.lokr"], "network_module='networks.lora', this run has "
+                                                "network_module='networks.lokr'"),
+        (["--network_args", "conv_dim=4"], "network_args=[], this run has network_args=['conv_dim=4']"),
+        (["--network_train_unet_only"], "network_train_unet_only=False"),
+    ]
+    for flags, expected in cases:
+        message = run_expecting_user_error(capsys, argv + flags, output_dir)
+        assert message.startswith(f"error: --resume {state}: ") and expected in message, (flags, message)
+    assert run_expecting_user_error(capsys, argv, output_dir) == "error: the model was loaded"
+
+
+def test_one_setting_spelled_two_ways_resumes(trained_state, output_dir, capsys, no_model_load):
+    argv = resume_argv(trained_state, output_dir)
+    for flag, value in (("--resolution", "64,64"), ("--optimizer_type", "adamw")):
+        spelled = list(argv)
+        spelled[spelled.index(flag) + 1] = value
+        assert run_expecting_user_error(capsys, spelled, output_dir) == "error: the model was loaded", (flag, value)
