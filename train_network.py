@@ -342,7 +342,7 @@ class NetworkTrainer:
         """Options resolved, data, models, network, optimization, state (resumed) and outputs; None
         after ``--debug_dataset`` has printed the batches."""
         accelerator = self.resolve_options(args, explicit)
-        resume_from = train_state.find_resume_state(args, accelerator.num_processes)  # before any model load
+        resume_from = train_state.find_resume_state(args, accelerator.num_processes, self.is_sdxl)  # before any model load
         data = self.build_data(args, accelerator)
         if data is None:
             return None

@@ -211,16 +211,19 @@ def comparable(key: str, value: Any) -> Any:
     return value
 
 
-def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[Path]:
+def find_resume_state(args: argparse.Namespace, num_processes: int, sdxl: bool = False) -> Optional[Path]:
     """The state folder ``--resume`` names (a folder, or "auto": the newest intact one), verified and
     checked against this run's protected arguments; None to start fresh (no ``--resume``, or "auto"
     found no state). Reads manifests and checksums only, so a changed setting or a damaged state
-    costs seconds, not a model load; call once the seed is known (it is a protected argument)."""
+    costs seconds, not a model load; call once the seed is known (it is a protected argument). ``sdxl``: the
+    trainer's model family (a kohya state of the other one is refused)."""
     if not args.resume:
         return None
     store = StateStore(args.output_dir, args.output_name, protected_arguments(args, num_processes))
     path = store.resolve(args.resume)
-    if path is not None and not kohya_state.is_kohya_state(path):  # a kohya state is checked as it loads
+    if path is not None and kohya_state.is_kohya_state(path):
+        kohya_state.check_before_loading(path, args, sdxl)  # what its files tell; the rest as it loads
+    elif path is not None:
         store.check_arguments(path)
     return path
 

@@ -162,3 +162,61 @@ def test_one_setting_spelled_two_ways_resumes(trained_state, output_dir, capsys,
         spelled = list(argv)
         spelled[spelled.index(flag) + 1] = value
         assert run_expecting_user_error(capsys, spelled, output_dir) == "error: the model was loaded", (flag, value)
+
+
+# -- a kohya-ss state: what its files tell is refused before the model loads --------------------------
+def kohya_state_folder(folder: Path, keys: dict[str, tuple[int, ...]], step: str = '{"current_epoch": 1, '
+                       '"current_step": 2}', optimizer: bytes | None = None) -> Path:
+    """A kohya-ss state folder: ``model.safetensors`` holding zero tensors of ``keys``' shapes, train_state.json
+    holding ``step``, and an ``optimizer.bin`` (torch.save of an empty optimizer state unless given)."""
+    import io
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({key: torch.zeros(shape) for key, shape in keys.items()}, str(folder / "model.safetensors"))
+    (folder / "train_state.json").write_text(step, encoding="utf-8")
+    if optimizer is None:
+        buffer = io.BytesIO()
+        torch.save({"state": {}, "param_groups": []}, buffer)
+        optimizer = buffer.getvalue()
+    (folder / "optimizer.bin").write_bytes(optimizer)
+    return folder
+
+
+SD_MODULE = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+
+
+def sd_lora_keys(rank: int) -> dict[str, tuple[int, ...]]:
+    return {f"{SD_MODULE}.lora_down.weight": (rank, 32), f"{SD_MODULE}.lora_up.weight": (32, rank),
+            f"{SD_MODULE}.alpha": ()}
+
+
+def test_a_kohya_state_that_cannot_fit_is_refused_before_the_model_loads(tiny_models, demo_dataset, output_dir,
+                                                                         capsys, tmp_path, no_model_load):
+    from conftest import model_args
+
+    argv = model_args(tiny_models, "sd15") + base_args(tiny_models, demo_dataset, output_dir)[4:] + [
+        "--network_dim", "4"]
+    sdxl_module = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    good_optimizer = (kohya_state_folder(tmp_path / "probe", {}) / "optimizer.bin").read_bytes()
+    cases = [
+        (kohya_state_folder(tmp_path / "rank8", sd_lora_keys(8)),
+         "(model.safetensors): its LoRA has rank 8, this run --network_dim 4"),
+        (kohya_state_folder(tmp_path / "sdxl", {f"{sdxl_module}.lora_down.weight": (4, 32)}),
+         "(model.safetensors): a kohya-ss state of an SDXL LoRA; continue it with sdxl_train_network.py"),
+        (kohya_state_folder(tmp_path / "cut", sd_lora_keys(4), step='{"current_epoch": 1, "curr'),
+         "train_state.json is unreadable"),
+        (kohya_state_folder(tmp_path / "damaged", sd_lora_keys(4), optimizer=good_optimizer[:-40]),
+         "optimizer.bin is damaged (not a torch.save archive"),
+        (kohya_state_folder(tmp_path / "flipped", sd_lora_keys(4), optimizer=good_optimizer.replace(
+            b"param_groups", b"param_grOups")), "optimizer.bin is damaged (checksum mismatch in "),
+    ]
+    for state, expected in cases:
+        message = train_expecting_user_error(argv + ["--resume", str(state)], capsys, script="train_network")
+        assert message.startswith(f"error: --resume {state}") and expected in message, (state, message)
+    fitting = kohya_state_folder(tmp_path / "fits", sd_lora_keys(4))
+    message = train_expecting_user_error(argv + ["--resume", str(fitting)], capsys, script="train_network")
+    assert message == "error: the model was loaded"
+    assert sorted(os.listdir(output_dir)) == ["last.safetensors"]
