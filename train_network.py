@@ -264,12 +264,19 @@ class Run:
     outputs: RunOutputs
     average_loss: float = math.nan
     stopped: Optional[str] = None  # why the self-healing stopped the run
+    # the step a fresh LoRA started at (None: its weights came trained, from a state or --network_weights)
+    untrained_at: Optional[int] = None
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
 
     def save_state(self, name: str) -> bool:
+        """Write state folder ``name``; False when refused (untrained weights, or see ``RunStates.save``)."""
+        if not self.writer.trained:  # nothing worth resuming, and it would replace an earlier run's state
+            print(f"\nnot saving state {name}: it would hold the initial, untrained LoRA (no optimizer step of this "
+                  f"run has trained it, or a rewind went back to it)", flush=True)
+            return False
         self.outputs.flush()
         return self.states.save(name, self.progress)
 
@@ -364,8 +371,9 @@ class NetworkTrainer:
         if captured:
             outputs.event(progress.global_step, "healthy", "")  # the initial healthy point (the tools read it)
         writer = lora_files.LoraWriter(args, metadata, optimization.ema, current_metadata=optimization.healer.metadata)
+        writer.trained = resume_from is not None or bool(args.network_weights)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
-                   writer, outputs)
+                   writer, outputs, untrained_at=None if writer.trained else progress.global_step)
 
     def resolve_options(self, args: argparse.Namespace, explicit: set[str]) -> Accelerator:
         """Check every option, apply aliases and presets, start accelerate and seed the RNGs."""
@@ -575,6 +583,8 @@ class NetworkTrainer:
     def record(self, run: Run, result: StepResult) -> None:
         """The step's counts and average loss, then its row, bar, scalars and JSON line."""
         optimization = run.optimization
+        if result.stepped:
+            run.writer.trained = True
         run.average_loss = run.progress.record_loss(result.loss, window=run.data.steps_per_epoch)
         scaler = optimization.scaler
         run.outputs.record(result, run.average_loss, skipped=optimization.guard.skipped_steps,
@@ -616,6 +626,9 @@ class NetworkTrainer:
         batches_skipped = run.data.batches_since(run.states.healthy_point["position"], run.progress)
         event = healer.rewound(step, reason, batches_skipped)
         run.states.restore(run.device)
+        if event.to_step == run.untrained_at:  # back to the initial LoRA: nothing trained to save
+            run.writer.trained = False
+        abandoned = run.writer.mark_abandoned(event.to_step) if run.accelerator.is_main_process else []
         lowered = healing.scale_learning_rates(optimization.optimizer, optimization.lr_scheduler,
                                                healer.lr_multiplier)
         run.progress.loss_history = []  # the average restarts from the healthy point's weights
@@ -625,7 +638,8 @@ class NetworkTrainer:
             f"step {step}: {reason}: rewound to the healthy point of step {event.to_step}, learning rate now {rates}"
             + ("" if lowered else " (unchanged: the optimizer sets its own step size)")
             + f", {batches_skipped} batches of the diverged span skipped (rewind {len(healer.rewinds)} of "
-              f"{healer.config.max_rewinds})",
+              f"{healer.config.max_rewinds})"
+            + (f"; the files of the diverged span are renamed: {', '.join(abandoned)}" if abandoned else ""),
             count=("train/rewinds", len(healer.rewinds)),
             fields={"to_step": event.to_step, "reason": reason, "learning_rate": event.lr_scale * run.args.learning_rate,
                     "lr_scale": event.lr_scale, "batches_skipped": batches_skipped})
@@ -758,10 +772,16 @@ class NetworkTrainer:
                     run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
                     written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
                                                weights_step, progress.epoch)
-        print(f"failed: {failure}; "
-              + (f"the last healthy weights (step {weights_step}) are in {written}" if written else
-                 "no weights written (no healthy point is kept without --rewind_on_divergence)")
-              + f"; {summary}", flush=True)
+        earlier = [path for _, path in run.writer.written if path != written]
+        if written:
+            outcome = f"the last healthy weights (step {weights_step}) are in {written}"
+        elif run.states.healthy_point is None:
+            outcome = "no last healthy weights written (no healthy point is kept without --rewind_on_divergence)"
+        else:
+            outcome = "no last healthy weights written (see above)"
+        outcome += (f"; written before the failure: {', '.join(earlier)}" if earlier else
+                    "; this run wrote no other LoRA file" if run.accelerator.is_main_process else "")
+        print(f"failed: {failure}; {outcome}; {summary}", flush=True)
         sys.exit(1)
 
     def backward_window(

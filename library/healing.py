@@ -117,6 +117,8 @@ class HealingConfig:
     divergence_grad_ratio: float = 20.0
     quarantine_bad_samples: bool = False
     nan_report: bool = False
+    # the VAE encodes every step in half precision (the one cause of NaN latents --no_half_vae fixes)
+    half_precision_vae: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rewind_every_n_steps", "divergence_nan_steps", "divergence_window"):
@@ -133,7 +135,11 @@ class HealingConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "HealingConfig":
-        return cls(**{item.name: getattr(args, item.name, item.default) for item in fields(cls)})
+        options = {item.name: getattr(args, item.name, item.default) for item in fields(cls)}
+        options["half_precision_vae"] = (getattr(args, "mixed_precision", "no") != "no"
+                                         and not getattr(args, "no_half_vae", False)
+                                         and not getattr(args, "cache_latents", False))  # cached: checked up front
+        return cls(**options)
 
 
 REWIND_OPTIONS = ("rewind_every_n_steps", "rewind_lr_factor", "max_rewinds")
@@ -393,13 +399,22 @@ class HealingPolicy:
             return replace(verdict, stop=True, stop_reason=(
                 f"{len(self.quarantine)} of {self.num_images} images quarantined: more than "
                 f"{MAX_QUARANTINED_FRACTION:.0%} of the data is bad, so the images are not the cause"
-                + (" (non-finite latents on most images: an fp16 VAE overflows, try --no_half_vae)"
-                   if any(q.certain for q in self.quarantine) else "")))
+                + self._bad_inputs_advice()))
         if bad_loss and not finite:  # every sample of the step: the model, not one sample
             self.now.nan_streak += 1
             if self.now.nan_streak >= self.config.divergence_nan_steps:
                 return self._diverged(f"non-finite loss at {self.now.nan_streak} consecutive steps", verdict)
         return verdict
+
+    def _bad_inputs_advice(self) -> str:
+        """What the stop line adds when images were quarantined for non-finite inputs: --no_half_vae only
+        where the VAE runs in half precision (on a float32 one it changes nothing)."""
+        if not any(entry.certain for entry in self.quarantine):
+            return ""
+        if self.config.half_precision_vae:
+            return " (non-finite latents on most images: a half-precision VAE overflows, try --no_half_vae)"
+        return (" (non-finite inputs on most images, with the VAE in float32: check the images and the text "
+                "encoder outputs; the quarantine lines above name the files)")
 
     def weights_diverged(self, verdict: Verdict) -> Verdict:
         """The trainer found non-finite weights (it checks only after a non-finite loss)."""

@@ -220,3 +220,69 @@ def test_a_kohya_state_that_cannot_fit_is_refused_before_the_model_loads(tiny_mo
     message = train_expecting_user_error(argv + ["--resume", str(fitting)], capsys, script="train_network")
     assert message == "error: the model was loaded"
     assert sorted(os.listdir(output_dir)) == ["last.safetensors"]
+
+
+# -- nothing good on disk is replaced by untrained weights -------------------------------------------------
+def train(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit code, stdout) of an in-process sdxl training."""
+    capsys.readouterr()
+    code = 0
+    try:
+        run_trainer("sdxl_train_network", argv)
+    except SystemExit as exited:
+        code = exited.code
+    return code, capsys.readouterr().out
+
+
+def test_an_ema_that_never_updated_is_not_saved(tiny_models, demo_dataset, output_dir, capsys):
+    (output_dir / "last-step00000001.safetensors").write_bytes(b"earlier run")
+    argv = base_args(tiny_models, demo_dataset, output_dir) + ["--ema_decay", "0.9", "--ema_update_every", "2",
+                                                               "--save_every_n_steps", "1", "--seed", "3"]
+    code, output = train(argv, capsys)
+    assert code == 0
+    assert (f"not saving {output_dir / 'last-step00000001.safetensors'}: the EMA has not updated yet (its first "
+            f"update is after 2 trained steps, --ema_update_every)") in output
+    assert (output_dir / "last-step00000001.safetensors").read_bytes() == b"earlier run"
+    assert (output_dir / "last-step00000002.safetensors").is_file() and (output_dir / "last.safetensors").is_file()
+
+
+def test_a_run_stopped_by_the_quarantine_limit_replaces_nothing_and_says_so(tiny_models, demo_dataset, output_dir,
+                                                                            capsys):
+    earlier_state = output_dir / "last-step00000001-state"
+    earlier_state.mkdir()
+    (earlier_state / "manifest.json").write_text("{}", encoding="utf-8")
+    (output_dir / "last-step00000001.safetensors").write_bytes(b"earlier run")
+    every_image = [f"{index:03d}.png=nan" for index in range(4)]
+    argv = base_args(tiny_models, demo_dataset, output_dir) + [
+        "--max_train_steps", "4", "--quarantine_bad_samples", "--save_every_n_steps", "1", "--save_state",
+        "--seed", "3", "--debug_inject_sample", *every_image]
+    code, output = train(argv, capsys)
+    final = output.strip().splitlines()[-1]
+    assert code == 1 and final.startswith("failed: step 3: 3 of 4 images quarantined"), final
+    # fp32: the VAE is no suspect; the quarantine lines name the images
+    assert "with the VAE in float32" in final and "--no_half_vae" not in final
+    assert "no last healthy weights written" in final and "this run wrote no other LoRA file" in final
+    assert (f"not saving {output_dir / 'last-step00000001.safetensors'}: it would hold the initial, untrained LoRA "
+            f"(no optimizer step of this run has trained it") in output
+    assert "not saving state last-step00000001-state: it would hold the initial, untrained LoRA" in output
+    assert (output_dir / "last-step00000001.safetensors").read_bytes() == b"earlier run"
+    assert os.listdir(earlier_state) == ["manifest.json"]
+    assert not (output_dir / "last-step00000002.safetensors").exists()
+
+
+def test_files_of_a_span_a_rewind_abandons_are_renamed_and_named(tiny_models, demo_dataset, output_dir, capsys):
+    """One image in four has NaN latents and a step of it alone counts as divergence: each rewind goes back
+    to the initial healthy point, abandoning the files saved since."""
+    argv = base_args(tiny_models, demo_dataset, output_dir) + [
+        "--max_train_steps", "4", "--rewind_on_divergence", "--divergence_nan_steps", "1",
+        "--rewind_every_n_steps", "100", "--save_every_n_steps", "1", "--seed", "3",
+        "--debug_inject_sample", "002.png=nan"]
+    code, output = train(argv, capsys)
+    rewinds = [line for line in output.splitlines() if ": rewound to the healthy point of step 0" in line]
+    assert rewinds, output
+    renamed = [name for line in rewinds if "the files of the diverged span are renamed: " in line
+               for name in line.split("the files of the diverged span are renamed: ")[1].split(", ")]
+    assert renamed, rewinds
+    for path in renamed:
+        assert path.endswith("-abandoned.safetensors") and os.path.isfile(path)
+        assert not os.path.exists(path.replace("-abandoned", ""))

@@ -314,7 +314,7 @@ def test_without_healing_a_run_whose_last_steps_failed_is_not_done(tiny_models, 
     final = output.strip().splitlines()[-1]
     assert code == 1 and final.startswith("failed: the last 5 steps had a non-finite loss on every sample")
     assert "--rewind_on_divergence (in --grad_guard_preset stable) rewinds such a run" in final
-    assert "no weights written" in final and not (tmp_path / "q.safetensors").exists()
+    assert "no last healthy weights written" in final and not (tmp_path / "q.safetensors").exists()
     scales = {row["Scale"] for row in log_rows(tmp_path / "gradient_logs+q.txt")}
     assert scales == {"65536.0"}  # the scale did not fall 5 times for nothing
 

@@ -266,6 +266,17 @@ def _check_finite(image: PlannedImage, *tensors: torch.Tensor) -> None:
         )
 
 
+def _check_cached_finite(image: PlannedImage, path: str, suffix: str) -> None:
+    """A reused cache file (ours or kohya's) holding NaN/Inf latents is refused like fresh ones from the VAE:
+    used as is, every step of its image would be skipped as a non-finite loss, with no file named."""
+    with np.load(path) as npz:
+        names = [key + suffix for key in ("latents", "latents_std", "latents_flipped", "latents_flipped_std")]
+        if all(np.isfinite(npz[name]).all() for name in names if name in npz.files):
+            return
+    raise UserError(f"latent cache {path} (of {image.path}) holds NaN or Inf latents: delete it so that it is "
+                    f"rebuilt (and pass --no_half_vae if the VAE that wrote it overflowed in half precision)")
+
+
 def cache_latents(
     images: list[PlannedImage],
     vae,
@@ -302,6 +313,7 @@ def cache_latents(
         kohyas = to_disk and not fresh and _is_kohyas(path, suffix, image, variant, needs_flip,
                                                       int(vae.config.latent_channels))
         if fresh or kohyas:
+            _check_cached_finite(image, path, suffix)
             from_kohya += kohyas
             store.on_disk[image.index] = (path, suffix)
             continue
