@@ -286,3 +286,29 @@ def test_files_of_a_span_a_rewind_abandons_are_renamed_and_named(tiny_models, de
     for path in renamed:
         assert path.endswith("-abandoned.safetensors") and os.path.isfile(path)
         assert not os.path.exists(path.replace("-abandoned", ""))
+
+
+# -- NaN in a latent cache file is refused naming the file, as the VAE's own NaN latents are --------------
+@pytest.mark.parametrize("written_by", ["ours", "kohya"])
+def test_a_latent_cache_holding_nan_is_refused_naming_it(written_by, tiny_models, tmp_path):
+    from test_datasets import dataset_from
+    from test_datasets_cache import image_folder
+
+    from library import model_loading
+    from library.datasets import latents
+
+    vae = model_loading.load_models(str(tiny_models["sdxl"]), sdxl=True).vae
+    args = image_folder(tmp_path)
+    latents.cache_latents(dataset_from(*args).plan.images, vae, to_disk=True, is_sdxl=True)
+    path = tmp_path / "data" / "2_x" / "0_0064x0064_sdxl.npz"
+    with np.load(path) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    arrays["latents"][0, 0, 0] = np.nan
+    if written_by == "kohya":  # kohya's files: one fixed sample, no metadata
+        arrays = {key: value for key, value in arrays.items() if key not in ("cache_meta", "latents_std")}
+    np.savez(path, **arrays)
+    with pytest.raises(UserError) as refused:
+        latents.cache_latents(dataset_from(*args).plan.images, vae, to_disk=True, is_sdxl=True)
+    assert str(refused.value) == (f"latent cache {path} (of {tmp_path / 'data' / '2_x' / '0.png'}) holds NaN or Inf "
+                                  f"latents: delete it so that it is rebuilt (and pass --no_half_vae if the VAE that "
+                                  f"wrote it overflowed in half precision)")
