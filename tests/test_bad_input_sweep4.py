@@ -3,7 +3,6 @@ flag or file and what is valid (exit code 2), before the model is loaded where i
 and nothing good on disk is replaced by an untrained LoRA."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from conftest import run_trainer, train_expecting_user_error
 from PIL import Image
 from test_bad_input import output_dir  # noqa: F401  (the fixture: an output folder holding an earlier LoRA)
 from test_bad_input import base_args, run_expecting_user_error, unloadable_model_args
+from test_healing import train  # (exit code, stdout) of an in-process sdxl training
 
 import train_network
 from library import config_file
@@ -223,17 +223,6 @@ def test_a_kohya_state_that_cannot_fit_is_refused_before_the_model_loads(tiny_mo
 
 
 # -- nothing good on disk is replaced by untrained weights -------------------------------------------------
-def train(argv: list[str], capsys) -> tuple[int, str]:
-    """(exit code, stdout) of an in-process sdxl training."""
-    capsys.readouterr()
-    code = 0
-    try:
-        run_trainer("sdxl_train_network", argv)
-    except SystemExit as exited:
-        code = exited.code
-    return code, capsys.readouterr().out
-
-
 def test_an_ema_that_never_updated_is_not_saved(tiny_models, demo_dataset, output_dir, capsys):
     (output_dir / "last-step00000001.safetensors").write_bytes(b"earlier run")
     argv = base_args(tiny_models, demo_dataset, output_dir) + ["--ema_decay", "0.9", "--ema_update_every", "2",
