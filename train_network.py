@@ -264,8 +264,6 @@ class Run:
     outputs: RunOutputs
     average_loss: float = math.nan
     stopped: Optional[str] = None  # why the self-healing stopped the run
-    # the step a fresh LoRA started at (None: its weights came trained, from a state or --network_weights)
-    untrained_at: Optional[int] = None
 
     @property
     def device(self) -> torch.device:
@@ -275,7 +273,7 @@ class Run:
         """Write state folder ``name``; False when refused (untrained weights, or see ``RunStates.save``)."""
         if not self.writer.trained:  # nothing worth resuming, and it would replace an earlier run's state
             print(f"\nnot saving state {name}: it would hold the initial, untrained LoRA (no optimizer step of this "
-                  f"run has trained it, or a rewind went back to it)", flush=True)
+                  f"run has trained it yet)", flush=True)
             return False
         self.outputs.flush()
         return self.states.save(name, self.progress)
@@ -373,7 +371,7 @@ class NetworkTrainer:
         writer = lora_files.LoraWriter(args, metadata, optimization.ema, current_metadata=optimization.healer.metadata)
         writer.trained = resume_from is not None or bool(args.network_weights)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
-                   writer, outputs, untrained_at=None if writer.trained else progress.global_step)
+                   writer, outputs)
 
     def resolve_options(self, args: argparse.Namespace, explicit: set[str]) -> Accelerator:
         """Check every option, apply aliases and presets, start accelerate and seed the RNGs."""
@@ -626,8 +624,6 @@ class NetworkTrainer:
         batches_skipped = run.data.batches_since(run.states.healthy_point["position"], run.progress)
         event = healer.rewound(step, reason, batches_skipped)
         run.states.restore(run.device)
-        if event.to_step == run.untrained_at:  # back to the initial LoRA: nothing trained to save
-            run.writer.trained = False
         abandoned = run.writer.mark_abandoned(event.to_step) if run.accelerator.is_main_process else []
         lowered = healing.scale_learning_rates(optimization.optimizer, optimization.lr_scheduler,
                                                healer.lr_multiplier)

@@ -194,8 +194,7 @@ class LoraWriter:
         nothing is written."""
         if not self.trained:
             print(f"\nnot saving {self._path(file_name)}: it would hold the initial, untrained LoRA (no optimizer "
-                  f"step of this run has trained it, or a rewind went back to it); no file written or removed",
-                  flush=True)
+                  f"step of this run has trained it yet); no file written or removed", flush=True)
             return None
         if self.ema is None:
             return self._write(network, file_name, step, epoch, {})
