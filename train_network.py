@@ -270,6 +270,11 @@ class Run:
         return self.accelerator.device
 
     def save_state(self, name: str) -> bool:
+        """Write state folder ``name``; False when refused (untrained weights, or see ``RunStates.save``)."""
+        if not self.writer.trained:  # nothing worth resuming, and it would replace an earlier run's state
+            print(f"\nnot saving state {name}: it would hold the initial, untrained LoRA (no optimizer step of this "
+                  f"run has trained it yet)", flush=True)
+            return False
         self.outputs.flush()
         return self.states.save(name, self.progress)
 
@@ -342,10 +347,11 @@ class NetworkTrainer:
         """Options resolved, data, models, network, optimization, state (resumed) and outputs; None
         after ``--debug_dataset`` has printed the batches."""
         accelerator = self.resolve_options(args, explicit)
-        resume_from = train_state.find_resume_state(args, accelerator.num_processes)  # before any model load
+        resume_from = train_state.find_resume_state(args, accelerator.num_processes, self.is_sdxl)  # before any model load
         data = self.build_data(args, accelerator)
         if data is None:
             return None
+        ema.check_steps(args, args.max_train_steps)  # the steps are known once the data is
         models, network, loss = self.build_model(args, accelerator, data)
         optimization = self.build_optimization(args, accelerator, network, data)
         states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data,
@@ -363,6 +369,7 @@ class NetworkTrainer:
         if captured:
             outputs.event(progress.global_step, "healthy", "")  # the initial healthy point (the tools read it)
         writer = lora_files.LoraWriter(args, metadata, optimization.ema, current_metadata=optimization.healer.metadata)
+        writer.trained = resume_from is not None or bool(args.network_weights)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
                    writer, outputs)
 
@@ -374,6 +381,12 @@ class NetworkTrainer:
         sampling.drop_unused_prompt_file(args)  # before loading: decides whether sampling keeps the VAE/text encoders
         grad_guard.apply_preset(args, explicit)
         healing.apply_preset(args, explicit)
+        if args.nan_report:  # known now (the preset may turn it on); found taken mid-run it was a traceback
+            report = nan_report.report_path(args.output_dir, args.output_name)
+            if report.is_dir():
+                raise UserError(f"--nan_report: {report}, where the report is written, is a folder; move it away "
+                                f"or choose another --output_name")
+            preflight.require_writable_file("--nan_report", report)
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),  # without it torchrun on a CPU machine gives N unsynchronised rank-0s
             gradient_accumulation_steps=1,  # the loop forms accumulation windows itself (exact loss normalisation)
@@ -395,6 +408,8 @@ class NetworkTrainer:
         min_bucket_steps = 32 if self.is_sdxl else 64
         dataset = datasets.build_dataset(args, min_bucket_steps)
         dataset.poisoned = healing.parse_sample_injections(args.debug_inject_sample)
+        healing.check_sample_injections(dataset.poisoned, [image.path for image in dataset.plan.images])
+        losses.check_masks(args, [image.path for image in dataset.plan.images if image.subset.alpha_mask])
         validation_dataset = datasets.build_validation_dataset(args, dataset, min_bucket_steps)
         if args.debug_dataset:  # captions as at the start of training (token warm-up)
             dataset.step_layout = datasets.StepLayout(args.gradient_accumulation_steps, 1, args.max_train_steps)
@@ -566,6 +581,8 @@ class NetworkTrainer:
     def record(self, run: Run, result: StepResult) -> None:
         """The step's counts and average loss, then its row, bar, scalars and JSON line."""
         optimization = run.optimization
+        if result.stepped:
+            run.writer.trained = True
         run.average_loss = run.progress.record_loss(result.loss, window=run.data.steps_per_epoch)
         scaler = optimization.scaler
         run.outputs.record(result, run.average_loss, skipped=optimization.guard.skipped_steps,
@@ -607,6 +624,7 @@ class NetworkTrainer:
         batches_skipped = run.data.batches_since(run.states.healthy_point["position"], run.progress)
         event = healer.rewound(step, reason, batches_skipped)
         run.states.restore(run.device)
+        abandoned = run.writer.mark_abandoned(event.to_step) if run.accelerator.is_main_process else []
         lowered = healing.scale_learning_rates(optimization.optimizer, optimization.lr_scheduler,
                                                healer.lr_multiplier)
         run.progress.loss_history = []  # the average restarts from the healthy point's weights
@@ -616,7 +634,8 @@ class NetworkTrainer:
             f"step {step}: {reason}: rewound to the healthy point of step {event.to_step}, learning rate now {rates}"
             + ("" if lowered else " (unchanged: the optimizer sets its own step size)")
             + f", {batches_skipped} batches of the diverged span skipped (rewind {len(healer.rewinds)} of "
-              f"{healer.config.max_rewinds})",
+              f"{healer.config.max_rewinds})"
+            + (f"; the files of the diverged span are renamed: {', '.join(abandoned)}" if abandoned else ""),
             count=("train/rewinds", len(healer.rewinds)),
             fields={"to_step": event.to_step, "reason": reason, "learning_rate": event.lr_scale * run.args.learning_rate,
                     "lr_scale": event.lr_scale, "batches_skipped": batches_skipped})
@@ -749,10 +768,16 @@ class NetworkTrainer:
                     run.writer.metadata["ss_last_healthy_step"] = str(weights_step)
                     written = run.writer.write(run.network, lora_files.last_healthy_file_name(args.output_name),
                                                weights_step, progress.epoch)
-        print(f"failed: {failure}; "
-              + (f"the last healthy weights (step {weights_step}) are in {written}" if written else
-                 "no weights written (no healthy point is kept without --rewind_on_divergence)")
-              + f"; {summary}", flush=True)
+        earlier = [path for _, path in run.writer.written if path != written]
+        if written:
+            outcome = f"the last healthy weights (step {weights_step}) are in {written}"
+        elif run.states.healthy_point is None:
+            outcome = "no last healthy weights written (no healthy point is kept without --rewind_on_divergence)"
+        else:
+            outcome = "no last healthy weights written (see above)"
+        outcome += (f"; written before the failure: {', '.join(earlier)}" if earlier else
+                    "; this run wrote no other LoRA file" if run.accelerator.is_main_process else "")
+        print(f"failed: {failure}; {outcome}; {summary}", flush=True)
         sys.exit(1)
 
     def backward_window(

@@ -135,8 +135,9 @@ def dests_given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[
 def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     """The options a TOML file sets, by dest, converted and checked as on the command line.
 
-    - Top-level tables are flattened (their names are ignored); later keys win. An option in a
-      table inside a table (``[a.b]``), which kohya drops silently, is refused.
+    - Top-level tables are flattened (their names are ignored). An option set in two tables (kohya:
+      the later wins, silently) or in a table inside a table (``[a.b]``, which kohya drops silently)
+      is refused.
     - ``""`` and ``[]`` mean "not set". ``false`` for a ``store_true`` flag means not set;
       ``true``/``false`` set a ``BooleanOptionalAction``; ``0``/``1`` are read as booleans for
       flags (kohya_ss GUI writes ``persistent_data_loader_workers = 1``).
@@ -165,12 +166,17 @@ def read_config_file(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
 
     values: dict[str, Any] = {}
     unknown: list[str] = []
+    first_seen: dict[str, str] = {}  # option -> where it was first set
     for where, key, raw in _flatten(document, actions_by_dest):
         if key in _IGNORED_KEYS:
             continue
         if key not in actions_by_dest:
             unknown.append(where)
             continue
+        if key in first_seen:  # kohya lets the later table win silently: which one was meant is unknowable
+            raise UserError(f"--config_file {path}: {key} is set twice, as {first_seen[key]} and as {where}; "
+                            f"keep one of them")
+        first_seen[key] = where
         if where.count(".") > 1 and not isinstance(raw, dict):  # [a.b] key: kohya drops it silently
             section, _, _ = where.rpartition(".")
             raise UserError(f"--config_file {path}: {where}: a table inside a table ([{section}]) is not read; "

@@ -140,6 +140,16 @@ def validate_arguments(args: argparse.Namespace) -> None:
     EmaConfig.from_args(args)
 
 
+def check_steps(args: argparse.Namespace, total_steps: int) -> None:
+    """Refuse an ``--ema_update_every`` the run never reaches (``total_steps``: --max_train_steps, known
+    once the data is): the average would never update and every file would hold the untrained LoRA."""
+    config = EmaConfig.from_args(args)
+    if config.decay is not None and config.update_every > total_steps:
+        raise UserError(f"--ema_update_every {config.update_every}: the run trains {total_steps} optimizer steps, "
+                        f"so the average would never update and every LoRA file would hold the untrained "
+                        f"weights; give at most {total_steps}")
+
+
 def raw_file_name(file_name: str) -> str:
     """The name of the training weights' file beside ``file_name`` (``--ema_save_raw``):
     ``last.safetensors`` -> ``last-raw.safetensors``, ``last-step00000100.safetensors`` ->

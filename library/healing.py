@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -116,6 +117,8 @@ class HealingConfig:
     divergence_grad_ratio: float = 20.0
     quarantine_bad_samples: bool = False
     nan_report: bool = False
+    # the VAE encodes every step in half precision (the one cause of NaN latents --no_half_vae fixes)
+    half_precision_vae: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rewind_every_n_steps", "divergence_nan_steps", "divergence_window"):
@@ -132,16 +135,29 @@ class HealingConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "HealingConfig":
-        return cls(**{item.name: getattr(args, item.name, item.default) for item in fields(cls)})
+        options = {item.name: getattr(args, item.name, item.default) for item in fields(cls)}
+        options["half_precision_vae"] = (getattr(args, "mixed_precision", "no") != "no"
+                                         and not getattr(args, "no_half_vae", False)
+                                         and not getattr(args, "cache_latents", False))  # cached: checked up front
+        return cls(**options)
+
+
+REWIND_OPTIONS = ("rewind_every_n_steps", "rewind_lr_factor", "max_rewinds")
+"""Options that shape the rewinds only: given without rewinding, they would do nothing."""
 
 
 def apply_preset(args: argparse.Namespace, explicit: set[str]) -> None:
-    """``--grad_guard_preset stable`` turns the healing on; flags in ``explicit`` keep the user's value."""
-    if getattr(args, "grad_guard_preset", None) != "stable":
-        return
-    for dest, value in PRESET.items():
-        if dest not in explicit:
-            setattr(args, dest, value)
+    """``--grad_guard_preset stable`` turns the healing on; flags in ``explicit`` keep the user's value.
+    Then refuses a rewind option the user gave (``explicit``) while rewinding stays off (as the EMA's
+    options without ``--ema_decay``)."""
+    if getattr(args, "grad_guard_preset", None) == "stable":
+        for dest, value in PRESET.items():
+            if dest not in explicit:
+                setattr(args, dest, value)
+    given = [dest for dest in REWIND_OPTIONS if dest in explicit]
+    if given and not args.rewind_on_divergence:
+        raise UserError(f"--{given[0]} shapes the rewinds of --rewind_on_divergence, which is off: add "
+                        f"--rewind_on_divergence (or --grad_guard_preset stable), or remove --{given[0]}")
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
@@ -161,6 +177,17 @@ def parse_sample_injections(items: Optional[Sequence[str]]) -> dict[str, float]:
             raise UserError(f"--debug_inject_sample {item}: expected NAME=nan or NAME=inf (NAME: an image file name)")
         injections[name] = values[value]
     return injections
+
+
+def check_sample_injections(injections: Mapping[str, float], image_paths: Sequence[str]) -> None:
+    """Every ``--debug_inject_sample`` NAME names an image of the training set (file name, with or without
+    its extension): one that matches none would inject nothing, silently."""
+    names = {os.path.basename(path) for path in image_paths}
+    names |= {os.path.splitext(name)[0] for name in names}
+    for name in injections:
+        if name not in names:
+            raise UserError(f"--debug_inject_sample {name}=...: no image of the training set is named {name} "
+                            f"(give an image's file name, with or without its extension)")
 
 
 # --------------------------------------------------------------------------- decision core
@@ -372,13 +399,22 @@ class HealingPolicy:
             return replace(verdict, stop=True, stop_reason=(
                 f"{len(self.quarantine)} of {self.num_images} images quarantined: more than "
                 f"{MAX_QUARANTINED_FRACTION:.0%} of the data is bad, so the images are not the cause"
-                + (" (non-finite latents on most images: an fp16 VAE overflows, try --no_half_vae)"
-                   if any(q.certain for q in self.quarantine) else "")))
+                + self._bad_inputs_advice()))
         if bad_loss and not finite:  # every sample of the step: the model, not one sample
             self.now.nan_streak += 1
             if self.now.nan_streak >= self.config.divergence_nan_steps:
                 return self._diverged(f"non-finite loss at {self.now.nan_streak} consecutive steps", verdict)
         return verdict
+
+    def _bad_inputs_advice(self) -> str:
+        """What the stop line adds when images were quarantined for non-finite inputs: --no_half_vae only
+        where the VAE runs in half precision (on a float32 one it changes nothing)."""
+        if not any(entry.certain for entry in self.quarantine):
+            return ""
+        if self.config.half_precision_vae:
+            return " (non-finite latents on most images: a half-precision VAE overflows, try --no_half_vae)"
+        return (" (non-finite inputs on most images, with the VAE in float32: check the images and the text "
+                "encoder outputs; the quarantine lines above name the files)")
 
     def weights_diverged(self, verdict: Verdict) -> Verdict:
         """The trainer found non-finite weights (it checks only after a non-finite loss)."""

@@ -30,14 +30,18 @@ encoders' modules alike (``lora_te_``), so only its UNet-only states fit.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+from library.config_file import key_value_items
 from library.errors import UserError, first_line
 
 MARKER = "train_state.json"
@@ -63,6 +67,67 @@ def kohya_step(path: Path) -> int:
         return int(json.loads((path / MARKER).read_text())["current_step"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"--resume {path}: {MARKER} is unreadable ({first_line(error)})") from None
+
+
+_SDXL_KEY = re.compile(r"^[a-z]+_(te[12]_|unet_(input_blocks|middle_block|output_blocks)_)")
+_SD_KEY = re.compile(r"^[a-z]+_(te_|unet_(down_blocks|mid_block|up_blocks)_)")
+_BLOCKWISE_ARGS = ("block_dims", "conv_block_dims", "down_lr_weight", "mid_lr_weight", "up_lr_weight")
+
+
+def check_before_loading(path: Path, args: argparse.Namespace, sdxl: bool) -> None:
+    """What a kohya state's files tell before any model loads, refused as ``UserError``: a cut
+    ``train_state.json``; a ``model.safetensors`` of the other model family (``sdxl``: this trainer's) or,
+    for ``networks.lora``, of another rank than ``--network_dim`` (read from its header); a damaged
+    ``optimizer.bin``/``scheduler.bin``/``scaler.pt`` (torch.save's zip archive, checksums tested)."""
+    kohya_step(path)
+    model = path / MODEL_FILE
+    try:
+        with safe_open(str(model), framework="pt") as file:
+            shapes = {key: file.get_slice(key).get_shape() for key in file.keys()}
+    except Exception as error:  # safetensors raises several types for damaged files
+        raise UserError(f"--resume {path} ({MODEL_FILE}): not a readable safetensors file ({first_line(error)}); "
+                        f"use an intact state") from None
+    state_sdxl = any(_SDXL_KEY.match(key) for key in shapes)
+    if state_sdxl != sdxl and (state_sdxl or any(_SD_KEY.match(key) for key in shapes)):
+        family, script = ("SDXL", "sdxl_train_network.py") if state_sdxl else ("SD 1.x/2.x", "train_network.py")
+        raise UserError(f"--resume {path} ({MODEL_FILE}): a kohya-ss state of an {family} LoRA; continue it with "
+                        f"{script} on its model")
+    network_args = dict(item.partition("=")[::2] for item in key_value_items(args.network_args))
+    if args.network_module == "networks.lora" and not args.dim_from_weights \
+            and not any(network_args.get(name) not in (None, "", "None") for name in _BLOCKWISE_ARGS):
+        ranks = sorted({shape[0] for key, shape in shapes.items()
+                        if key.endswith(".lora_down.weight") and len(shape) == 2})  # conv layers: conv_dim
+        dim = args.network_dim or 4
+        if ranks and ranks != [dim]:
+            raise UserError(f"--resume {path} ({MODEL_FILE}): its LoRA has rank {'/'.join(map(str, ranks))}, this "
+                            f"run --network_dim {dim}; resume with the --network_dim (and --network_args) that "
+                            f"wrote it")
+    for name in (OPTIMIZER_FILE, SCHEDULER_FILE, SCALER_FILE):
+        problem = _torch_file_problem(path / name)
+        if problem:
+            raise UserError(f"--resume {path}: {name} is damaged ({problem}); use an intact state")
+
+
+def _torch_file_problem(file: Path) -> Optional[str]:
+    """Why ``file`` (when present) is not an intact ``torch.save`` archive, or None."""
+    if not file.is_file():
+        return None
+    if not zipfile.is_zipfile(file):
+        return "not a torch.save archive: cut or overwritten?"
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        return first_line(error)
+    return f"checksum mismatch in {bad}" if bad else None
+
+
+def _torch_load(path: Path, name: str) -> Any:
+    """A state file read with torch.load; ``UserError`` naming it when it cannot be."""
+    try:
+        return torch.load(path / name, map_location="cpu", weights_only=False)
+    except Exception as error:  # unpickling raises many types for a damaged file
+        raise UserError(f"--resume {path}: {name} is damaged ({first_line(error)}); use an intact state") from None
 
 
 def kohya_module_order(names: list[str]) -> list[str]:
@@ -190,7 +255,7 @@ def restore(path: Path, network: torch.nn.Module, components: dict[str, Any], de
     optimizer = components.get("optimizer")
     mapping = None  # kohya's groups as ours (kohya_groups), once its optimizer state fits
     if optimizer is not None and (path / OPTIMIZER_FILE).is_file():
-        kohya_optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        kohya_optimizer = _torch_load(path, OPTIMIZER_FILE)
         try:
             kohya_sizes = [len(group["params"]) for group in kohya_optimizer["param_groups"]]
             groups = kohya_groups(optimizer, network, kohya_sizes)
@@ -207,13 +272,13 @@ def restore(path: Path, network: torch.nn.Module, components: dict[str, Any], de
         else:
             try:
                 scheduler.load_state_dict(scheduler_state_in_our_order(
-                    torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False), mapping))
+                    _torch_load(path, SCHEDULER_FILE), mapping))
                 restored.append("LR schedule")
             except (ValueError, KeyError, RuntimeError, TypeError) as error:
                 missed.append(f"the LR schedule ({first_line(error)})")
     scaler = components.get("loss_scaler")
     if scaler is not None and (path / SCALER_FILE).is_file():
-        scale = float(torch.load(path / SCALER_FILE, map_location="cpu", weights_only=False)["scale"])
+        scale = float(_torch_load(path, SCALER_FILE)["scale"])
         scaler.load_state_dict({"policy": "kohya (torch GradScaler)", "scale": scale, "overflow_count": 0,
                                 "policy_state": {}})
         restored.append(f"loss scale {scale:g}")

@@ -87,6 +87,16 @@ def final_file_name(output_name: str) -> str:
     return f"{output_name}.safetensors"
 
 
+ABANDONED_SUFFIX = "-abandoned"
+"""Added to the name of a file written in a span that a rewind abandoned (``LoraWriter.mark_abandoned``)."""
+
+
+def abandoned_file_name(path: str) -> str:
+    """``last-step00000012.safetensors`` -> ``last-step00000012-abandoned.safetensors``."""
+    stem, extension = os.path.splitext(path)
+    return f"{stem}{ABANDONED_SUFFIX}{extension}"
+
+
 def last_healthy_file_name(output_name: str) -> str:
     """The file a failed run writes its last healthy weights to (the final name stays free)."""
     return f"{output_name}-last_healthy.safetensors"
@@ -159,6 +169,11 @@ class LoraWriter:
     With an ``ema`` the network is written while it holds the average (``ema.weights_for_use``), its
     metadata says so, and ``--ema_save_raw`` writes the training weights beside every file
     (``ema.raw_file_name``), removed with it.
+
+    ``trained`` says whether the weights are trained (set by the trainer: a fresh run's LoRA is not until
+    an optimizer step trains it); untrained weights are never written, so a run whose steps were all
+    skipped replaces no earlier file with the initial LoRA. ``written``: (step, path) of every file this
+    run wrote and still has under that name.
     """
 
     def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str], ema: Optional[LoraEma] = None,
@@ -170,13 +185,24 @@ class LoraWriter:
         self.current_metadata = current_metadata
         self.save_dtype = SAVE_DTYPES[args.save_precision]
         self.ema = ema
+        self.trained = True
+        self.written: list[tuple[int, str]] = []
 
     def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
         """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder (and its
         raw weights beside it with ``--ema_save_raw``); None when refused (see ``save_refusal``), in which case
         nothing is written."""
+        if not self.trained:
+            print(f"\nnot saving {self._path(file_name)}: it would hold the initial, untrained LoRA (no optimizer "
+                  f"step of this run has trained it yet); no file written or removed", flush=True)
+            return None
         if self.ema is None:
             return self._write(network, file_name, step, epoch, {})
+        if self.ema.updates == 0:  # it holds the untrained weights: writing it would replace a good file with them
+            print(f"\nnot saving {self._path(file_name)}: the EMA has not updated yet (its first update is after "
+                  f"{self.ema.config.update_every} trained steps, --ema_update_every); no file written or removed",
+                  flush=True)
+            return None
         path = self._write(network, file_name, step, epoch, self.ema.config.file_metadata("ema"))
         if path is not None and self.ema.config.save_raw:
             with self.ema.training_weights():
@@ -199,8 +225,24 @@ class LoraWriter:
         else:
             metadata = {key: value for key, value in metadata.items() if key.startswith("modelspec.")}
         save_lora_file(state, path, metadata)
+        self.written.append((step, path))
         print(f"\nsaved {path}", flush=True)
         return path
+
+    def mark_abandoned(self, after_step: int) -> list[str]:
+        """Rename the files this run wrote after ``after_step`` (a rewind went back to it: they hold weights
+        of the diverged span) to ``abandoned_file_name``, replacing an older file of that name; the new
+        paths. The final name of each is free again, for the run's later save at that step."""
+        renamed, kept = [], []
+        for step, path in self.written:
+            if step > after_step and os.path.exists(path):
+                target = abandoned_file_name(path)
+                os.replace(path, target)
+                renamed.append(target)
+            else:
+                kept.append((step, path))
+        self.written = kept
+        return renamed
 
     def on_step(self, network: LoRANetwork, step: int, epoch: int) -> None:
         every = self.args.save_every_n_steps
@@ -225,6 +267,7 @@ class LoraWriter:
     def _remove(self, file_name: str) -> None:
         for name in (file_name, raw_file_name(file_name)) if self.ema is not None else (file_name,):
             path = self._path(name)
+            self.written = [(step, written) for step, written in self.written if written != path]
             if os.path.exists(path):
                 os.remove(path)
                 print(f"removed old {path}", flush=True)

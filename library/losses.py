@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from library.datasets.images import load_image
 from library.errors import UserError
 
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
@@ -128,6 +129,25 @@ def validate_arguments(args: argparse.Namespace) -> None:
     if args.masked_loss and not getattr(args, "alpha_mask", False) and not getattr(args, "dataset_config", None):
         raise UserError("--masked_loss needs masks: add --alpha_mask (images with an alpha channel), or alpha_mask = "
                         "true on subsets in --dataset_config")
+
+
+def check_masks(args: argparse.Namespace, masked_images: Sequence[str]) -> None:
+    """With ``--masked_loss``: some image has an alpha mask (``masked_images``: the files of subsets with
+    ``alpha_mask``), and not every mask is empty. A fully transparent image weighs nothing: when all are,
+    the loss and every gradient are 0 and the run "trains" an unchanged LoRA. Reads images until the
+    first with a visible pixel (usually the first one)."""
+    if not args.masked_loss:
+        return
+    if not masked_images:
+        raise UserError(f"--masked_loss: no subset of --dataset_config {args.dataset_config} sets alpha_mask = "
+                        f"true, so there are no masks; set it on the subsets whose images carry masks, or remove "
+                        f"--masked_loss")
+    for path in dict.fromkeys(masked_images):
+        if load_image(path, keep_alpha=True).getchannel("A").getbbox() is not None:
+            return
+    raise UserError(f"--masked_loss: the alpha mask of every image is empty (fully transparent, e.g. "
+                    f"{masked_images[0]}): the loss and its gradient would be 0 and nothing would train; give "
+                    f"images whose alpha channel is nonzero where they should be learned")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save
 from library import atomic_files, kohya_state, optimizers
 from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
+from library.datasets.config import parse_resolution_wh
 from library.ema import EmaConfig
 from library.errors import UserError, first_line
 from library.lora_files import epoch_stem, epoch_to_remove, save_refusal, step_stem, step_to_remove
@@ -197,16 +198,32 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
     }
 
 
-def find_resume_state(args: argparse.Namespace, num_processes: int) -> Optional[Path]:
+def comparable(key: str, value: Any) -> Any:
+    """A protected argument as resume compares it: one setting spelled two ways is one value (``--resolution
+    64`` is ``64,64``; optimizer names are case-insensitive, as ``--optimizer_type`` reads them)."""
+    if key == "resolution" and value is not None:
+        try:
+            return list(parse_resolution_wh(value, "--resolution"))
+        except UserError:
+            return value
+    if key == "optimizer_type" and isinstance(value, str):
+        return value.lower()
+    return value
+
+
+def find_resume_state(args: argparse.Namespace, num_processes: int, sdxl: bool = False) -> Optional[Path]:
     """The state folder ``--resume`` names (a folder, or "auto": the newest intact one), verified and
     checked against this run's protected arguments; None to start fresh (no ``--resume``, or "auto"
     found no state). Reads manifests and checksums only, so a changed setting or a damaged state
-    costs seconds, not a model load; call once the seed is known (it is a protected argument)."""
+    costs seconds, not a model load; call once the seed is known (it is a protected argument). ``sdxl``: the
+    trainer's model family (a kohya state of the other one is refused)."""
     if not args.resume:
         return None
     store = StateStore(args.output_dir, args.output_name, protected_arguments(args, num_processes))
     path = store.resolve(args.resume)
-    if path is not None and not kohya_state.is_kohya_state(path):  # a kohya state is checked as it loads
+    if path is not None and kohya_state.is_kohya_state(path):
+        kohya_state.check_before_loading(path, args, sdxl)  # what its files tell; the rest as it loads
+    elif path is not None:
         store.check_arguments(path)
     return path
 
@@ -405,7 +422,7 @@ class StateStore:
         manifest = json.loads((path / MANIFEST).read_text())
         saved = manifest.get("arguments", {})
         for key in sorted(set(saved) | set(self.protected)):
-            if saved.get(key) != self.protected.get(key):
+            if comparable(key, saved.get(key)) != comparable(key, self.protected.get(key)):
                 raise UserError(
                     f"--resume {path}: the state was written with {key}={saved.get(key)!r}, this run has "
                     f"{key}={self.protected.get(key)!r}; resume with the same settings"

@@ -301,15 +301,20 @@ def test_files_samples_and_validation_hold_the_average_and_the_state_the_trainin
     output_dir, recorder, output = ema_run
     for step in (2, 4, 6, 8):
         average = recorder.as_file(recorder.steps[step]["after"]["average"])
-        file = read_lora_file(str(output_dir / f"run-step{step:08d}.safetensors"))
-        raw = read_lora_file(str(output_dir / f"run-step{step:08d}-raw.safetensors"))
-        assert_same(average, file)
+        if step == 2:  # no update yet (the first is at step 4): the untrained LoRA, no file (it would replace one)
+            assert recorder.steps[step]["after"]["updates"] == 0
+            assert not (output_dir / "run-step00000002.safetensors").exists()
+            assert not (output_dir / "run-step00000002-raw.safetensors").exists()
+            assert f"not saving {output_dir / 'run-step00000002.safetensors'}: the EMA has not updated yet" in output
+        else:
+            assert_same(average, read_lora_file(str(output_dir / f"run-step{step:08d}.safetensors")))
+            raw = read_lora_file(str(output_dir / f"run-step{step:08d}-raw.safetensors"))
+            assert_same(recorder.steps[step]["weights"], raw)
         if step >= 6:  # the first update (step 4) copied the weights (decay 0); since then the average lags
             assert any(not torch.equal(average[key], recorder.steps[step]["weights"][key]) for key in average)
         if step % 4 == 0:
             assert_same(average, recorder.sampled[step])
         assert_same(average, recorder.validated[step])
-        assert_same(recorder.steps[step]["weights"], raw)
         state = output_dir / train_state.step_state_name("run", step)
         assert_same(recorder.steps[step]["weights"], read_lora_file(str(state / "lora.safetensors")))
         components = torch.load(state / "components.pt", weights_only=False)
@@ -326,7 +331,7 @@ def test_files_samples_and_validation_hold_the_average_and_the_state_the_trainin
 def test_metadata_says_which_weights_a_file_holds(ema_run):
     output_dir, _, _ = ema_run
     for name, weights in (("run.safetensors", "ema"), ("run-raw.safetensors", "raw"),
-                          ("run-step00000002.safetensors", "ema"), ("run-step00000002-raw.safetensors", "raw")):
+                          ("run-step00000004.safetensors", "ema"), ("run-step00000004-raw.safetensors", "raw")):
         found = read_lora_metadata(str(output_dir / name))
         assert found["ss_weights"] == weights and found["ss_ema_decay"] == "0.8", name
         assert found["ss_ema_warmup"] == "power inv_gamma=1.0 power=0.75" and found["ss_ema_update_every"] == "2"

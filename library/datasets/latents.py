@@ -306,6 +306,17 @@ def _check_finite(image: PlannedImage, *tensors: torch.Tensor) -> None:
         )
 
 
+def _check_cached_finite(image: PlannedImage, path: str, suffix: str) -> None:
+    """A reused cache file (ours or kohya's) holding NaN/Inf latents is refused like fresh ones from the VAE:
+    used as is, every step of its image would be skipped as a non-finite loss, with no file named."""
+    with np.load(path) as npz:
+        names = [key + suffix for key in ("latents", "latents_std", "latents_flipped", "latents_flipped_std")]
+        if all(np.isfinite(npz[name]).all() for name in names if name in npz.files):
+            return
+    raise UserError(f"latent cache {path} (of {image.path}) holds NaN or Inf latents: delete it so that it is "
+                    f"rebuilt (and pass --no_half_vae if the VAE that wrote it overflowed in half precision)")
+
+
 def cache_latents(
     images: list[PlannedImage],
     vae,
@@ -346,8 +357,10 @@ def cache_latents(
                 if kohyas is not None:
                     break
         if fresh is not None or kohyas is not None:
+            reused = (path, fresh) if fresh is not None else (candidate, kohyas)
+            _check_cached_finite(image, *reused)
             from_kohya += kohyas is not None
-            store.on_disk[image.index] = (path, fresh) if fresh is not None else (candidate, kohyas)
+            store.on_disk[image.index] = reused
             continue
         if to_disk and os.path.isfile(path):
             stale += 1
