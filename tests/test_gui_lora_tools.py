@@ -8,10 +8,10 @@ is the GUI's interpreter (``sys.executable``), ``{sd_scripts}`` the GUI's ``<scr
 (this repository), the rest the tiny models and LoRAs trained on them here. The GUI runs them with
 ``subprocess.run(argv, env=setup_environment())``: PYTHONPATH=<gui>:<sd-scripts>, no accelerate.
 
-Two commands get one more flag: the Merge tab with an SD model and the Extract tab load a
-checkpoint, and the tiny one's architecture is not one of the shipped full-size configs, so
-``--model_config_dir`` is appended (those tabs have no field for extra flags; a real checkpoint
-needs none).
+Three tabs' commands get one more flag, ``--model_config_dir`` (the tiny models' architecture is
+not one of the shipped full-size configs, and these tabs have no field for extra flags; full-size
+models need none): Merge with an SD model and Extract load a checkpoint, and Merge (SVD) builds the
+LoRA's modules on an empty model of the files' kind.
 
 Outputs are checked on real code paths: every module of a LoRA file is built on the tiny model by
 ``networks.registry.network_from_file`` (what merging and --network_weights use), deltas and ranks
@@ -34,14 +34,14 @@ from networks import merge_lora, registry
 from networks.lora import lora_delta, lora_modules, read_lora_file
 
 # Merge LoRA tab, "SD Model" set (SDXL box as the GUI's own detection sets it: merge_lora.py for SD 1.5,
-# sdxl_merge_lora.py for SDXL), A = lora_a at 1.0, B = lora_b at 0.5, Save precision fp16, Merge precision float.
+# sdxl_merge_lora.py for SDXL), A = lora_a at 1.0, B = locon at 0.5, Save precision fp16, Merge precision float.
 MERGE_INTO_MODEL = {
     "sd15": ["{python}", "{sd_scripts}/networks/merge_lora.py", "--sd_model", "{file}", "--save_precision", "fp16",
-             "--precision", "float", "--save_to", "{out}/merged_sd15.safetensors", "--models", "{lora_a}", "{lora_b}",
+             "--precision", "float", "--save_to", "{out}/merged_sd15.safetensors", "--models", "{lora_a}", "{locon}",
              "--ratios", "1.0", "0.5"],
     "sdxl": ["{python}", "{sd_scripts}/networks/sdxl_merge_lora.py", "--sd_model", "{file}", "--save_precision",
              "fp16", "--precision", "float", "--save_to", "{out}/merged_sdxl.safetensors", "--models", "{lora_a}",
-             "{lora_b}", "--ratios", "1.0", "0.5"],
+             "{locon}", "--ratios", "1.0", "0.5"],
 }
 # Merge LoRA tab, no SD model: A = lora_a at 0.7, B = locon at 0.3 (the SDXL box ticked for SDXL LoRAs).
 MERGE_LORAS = {
@@ -85,8 +85,8 @@ KINDS = ("sd15", "sdxl")
 
 @pytest.fixture(scope="module")
 def inputs(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Per kind: LoRAs trained here (lora_a rank 8, lora_b rank 4, locon rank 8 + conv 4, dylora rank 8
-    unit 2) and a "finetuned" checkpoint (the base with locon and 0.5 lora_b merged in)."""
+    """Per kind: LoRAs trained here (lora_a rank 8, locon rank 8 + conv 4, dylora rank 8 unit 2) and a
+    "finetuned" checkpoint (the base with locon and 0.5 lora_a merged in)."""
     root = tmp_path_factory.mktemp("gui_inputs")
     result = {}
     seed = 0
@@ -94,7 +94,6 @@ def inputs(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, dict[str, P
         files = {"file": tiny_models[f"{kind}_file"], "config": tiny_models[f"{kind}_config"]}
         for name, extra in {
             "lora_a": ["--network_dim", "8", "--network_alpha", "4"],
-            "lora_b": ["--network_dim", "4", "--network_alpha", "2"],
             "locon": ["--network_dim", "8", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=2"],
             "dylora": ["--network_module", "networks.dylora", "--network_dim", "8", "--network_alpha", "4",
                        "--network_args", "unit=2"],
@@ -107,7 +106,7 @@ def inputs(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, dict[str, P
             files[name] = root / kind / f"{name}.safetensors"
         files["tuned"] = root / kind / "tuned.safetensors"
         merge_lora.main(["--sd_model", str(files["file"]), "--model_config_dir", str(files["config"]),
-                         "--save_to", str(files["tuned"]), "--models", str(files["locon"]), str(files["lora_b"]),
+                         "--save_to", str(files["tuned"]), "--models", str(files["locon"]), str(files["lora_a"]),
                          "--ratios", "1.0", "0.5"])
         result[kind] = files
     return result
@@ -170,7 +169,7 @@ def test_merge_tab_into_model(kind, inputs, tmp_path):
     result = run_gui_command(MERGE_INTO_MODEL[kind], files, tmp_path, "--model_config_dir", str(files["config"]))
     merged = tiny_base(kind, files, save_to(result))
     base = tiny_base(kind, files)
-    merge_lora.merge_into_models(base, [str(files["lora_a"]), str(files["lora_b"])], [1.0, 0.5])
+    merge_lora.merge_into_models(base, [str(files["lora_a"]), str(files["locon"])], [1.0, 0.5])
     merged_weights, expected = dict(merged.unet.named_parameters()), dict(base.unet.named_parameters())
     assert merged_weights.keys() == expected.keys()
     for name, value in expected.items():  # saved as fp16 (Save precision): within fp16 rounding of the weight
@@ -207,7 +206,7 @@ def test_extract_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_svd_merge_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    out = save_to(run_gui_command(SVD_MERGE, files, tmp_path))
+    out = save_to(run_gui_command(SVD_MERGE, files, tmp_path, "--model_config_dir", str(files["config"])))
     modules = lora_modules(read_lora_file(str(out)))
     a, b = lora_modules(read_lora_file(str(files["lora_a"]))), lora_modules(read_lora_file(str(files["locon"])))
     assert set(modules) == set(a) | set(b) and built_on_tiny_model(kind, files, out) == len(modules)
@@ -240,10 +239,16 @@ def test_resize_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_extract_dylora_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    out = save_to(run_gui_command(EXTRACT_DYLORA, files, tmp_path))
+    run_gui_command(EXTRACT_DYLORA, files, tmp_path)
+    # as kohya's script: one file per multiple of --unit below the rank, named <save_to stem>-<rank:04d>
+    assert sorted(path.name for path in tmp_path.glob("from_dylora*")) == ["from_dylora-0004.safetensors"]
+    out = tmp_path / "from_dylora-0004.safetensors"
     modules, source = lora_modules(read_lora_file(str(out))), lora_modules(read_lora_file(str(files["dylora"])))
     assert set(modules) == set(source) and built_on_tiny_model(kind, files, out) == len(modules)
-    assert set(ranks(modules).values()) == {4}  # --unit 4: the first 4 rows of each rank-8 DyLoRA module
+    assert set(ranks(modules).values()) == {4}
+    for name, parts in modules.items():  # the first 4 rows / columns of each rank-8 DyLoRA module, alpha kept
+        torch.testing.assert_close(parts["down"], source[name]["down"][:4], rtol=0, atol=0)
+        torch.testing.assert_close(parts["up"], source[name]["up"][:, :4], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
