@@ -159,17 +159,22 @@ def load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
     return checkpoint
 
 
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+"""What :func:`save_single_file` writes (kohya's merge and fine-tuning scripts write both)."""
+
+
 def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dtype: torch.dtype | None = None,
                      metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``models`` as one original-layout ``.safetensors`` file, atomically.
+    """Write ``models`` as one original-layout ``.safetensors`` file, or a ``.ckpt`` as kohya writes one
+    (``torch.save`` of ``{"state_dict": ..., "epoch": 0, "global_step": 0}``; no metadata), atomically.
 
     ``dtype`` casts floating tensors (default: keep). The file is written to a
-    temporary name in the same folder and renamed over ``path`` (``atomic_save_safetensors``),
+    temporary name in the same folder and renamed over ``path`` (``library.atomic_files``),
     so readers never see a partial file.
     """
     path = Path(path)
-    if path.suffix != ".safetensors":
-        raise UserError(f"{path}: single files are written as .safetensors only")
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise UserError(f"{path}: single files are written as {' or '.join(SINGLE_FILE_SUFFIXES)} only")
     tensors: dict[str, torch.Tensor] = {}
     maps = ck.checkpoint_key_maps(models.kind, models.unet, models.vae, models.text_encoders)
     for model, key_map in maps.values():
@@ -179,6 +184,11 @@ def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dty
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
             tensors[rule.original] = tensor.contiguous()
+    if path.suffix == ".ckpt":
+        needed = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        with atomic_files.writing_file(path, needed) as temporary:
+            torch.save({"state_dict": tensors, "epoch": 0, "global_step": 0}, temporary)
+        return
     atomic_save_safetensors(tensors, path, metadata)
 
 

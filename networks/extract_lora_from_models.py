@@ -34,7 +34,7 @@ from typing import Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from library import checkpoint_keys, model_loading, tool_paths  # noqa: E402
+from library import checkpoint_keys, model_loading  # noqa: E402
 from library.checkpoint_keys import ModelKind  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
 from library.lora_files import SAVE_DTYPES  # noqa: E402
@@ -121,12 +121,10 @@ def setup_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     """The options alone, before any file is read."""
-    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim")
+    resize_lora.validate_ranks_and_output(args, "dim", "conv_dim", input_flags=("model_org", "model_tuned"))
     if not 0 <= args.clamp_quantile <= 1:
         raise UserError(f"--clamp_quantile {args.clamp_quantile}: give a quantile in [0, 1], e.g. 0.99")
     model_loading.model_kind(sdxl=args.sdxl, v2=args.v2)
-    tool_paths.check_output_path("--save_to", args.save_to,
-                                 [("--model_org", args.model_org), ("--model_tuned", args.model_tuned)])
     if args.device is not None:
         try:
             device = torch.device(args.device)

@@ -69,7 +69,7 @@ def setup_parser(prog: str = "merge_lora.py") -> argparse.ArgumentParser:
     parser.add_argument("--sd_model", default=None,
                         help="base model (.safetensors/.ckpt single file or diffusers folder); without it the LoRAs "
                              "are merged into one LoRA")
-    parser.add_argument("--save_to", required=True, help="output .safetensors file")
+    parser.add_argument("--save_to", required=True, help="output file: .safetensors, or .ckpt (kohya's torch.save layout; a LoRA also .pt)")
     parser.add_argument("--models", nargs="+", required=True, metavar="LORA", help="LoRA files to merge")
     parser.add_argument("--ratios", type=float, nargs="*", default=None,
                         help="one multiplier per LoRA. Default: 1.0 each")
@@ -285,7 +285,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "merge_lora.py") -> None
     check_ratios(ratios)
     block_weights = lora_block_weights.parse_lbws(args.lbws, args.models) if args.lbws else None
     inputs = [("--sd_model", args.sd_model), *(("--models", path) for path in args.models)]
-    check_output_path("--save_to", args.save_to, inputs)
+    # kohya writes a .ckpt (and a LoRA as .ckpt/.pt) when the name says so; the GUI's Merge tab offers .ckpt
+    suffixes = checkpoint_files.SINGLE_FILE_SUFFIXES if args.sd_model is not None else (".safetensors", ".ckpt", ".pt")
+    check_output_path("--save_to", args.save_to, inputs, suffixes)
     save_dtype = SAVE_DTYPES[args.save_precision]
     if args.sd_model is None:
         loras = [(path, read_lora_file(path)) for path in args.models]

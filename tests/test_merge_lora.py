@@ -193,3 +193,25 @@ def test_sdxl_merge_lora_is_the_same_tool(lora_files, tmp_path):
     refused = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "sdxl_merge_lora.py"), "--save_to",
                               str(tmp_path / "x.safetensors"), "--models", str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "is a folder" in refused.stderr
+
+
+def test_merge_into_a_ckpt_as_kohya_writes_it(lora_files, tiny_models, tmp_path):
+    """The GUI's Merge tab offers a .ckpt Save-to: kohya's torch.save layout (``state_dict``), the same tensors
+    as the .safetensors merge, read back by our checkpoint reader."""
+    from safetensors.torch import load_file
+
+    from library import checkpoint_files
+
+    outputs = {}
+    for suffix in (".safetensors", ".ckpt"):
+        outputs[suffix] = tmp_path / f"merged{suffix}"
+        merge_lora.main(["--sd_model", str(tiny_models["sd15_file"]), "--model_config_dir",
+                         str(tiny_models["sd15_config"]), "--save_to", str(outputs[suffix]),
+                         "--models", str(lora_files["sd15_0"])])
+    pickled = torch.load(outputs[".ckpt"], map_location="cpu", weights_only=True)
+    assert set(pickled) == {"state_dict", "epoch", "global_step"}
+    from_ckpt = checkpoint_files.load_pickled_state_dict(outputs[".ckpt"])
+    expected = load_file(str(outputs[".safetensors"]))
+    assert set(from_ckpt) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(from_ckpt[key], value), key
