@@ -93,6 +93,11 @@ def last_healthy_file_name(output_name: str) -> str:
 
 
 # -- rotation: kohya's formulas (train_util.get_remove_step_no / get_remove_epoch_no), for files and states
+def output_path(args: argparse.Namespace, file_name: str) -> str:
+    """Where a LoRA file ``file_name`` is written: in ``--output_dir``, with the ``--save_model_as`` extension."""
+    return os.path.join(args.output_dir, f"{os.path.splitext(file_name)[0]}.{args.save_model_as}")
+
+
 def step_to_remove(step: int, every: int, keep: Optional[int]) -> Optional[int]:
     """The save point that falls out of "the last ``keep`` steps" once step ``step`` is saved
     (saves every ``every`` steps), or None. kohya removes exactly this one, not every older one:
@@ -171,13 +176,15 @@ class LoraWriter:
         self.save_dtype = SAVE_DTYPES[args.save_precision]
         self.ema = ema
 
-    def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
+    def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int,
+              extra_metadata: Optional[Mapping[str, str]] = None) -> Optional[str]:
         """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder (and its
         raw weights beside it with ``--ema_save_raw``); None when refused (see ``save_refusal``), in which case
-        nothing is written."""
+        nothing is written. ``extra_metadata``: this file's own entries (e.g. the best checkpoint's)."""
+        extra_metadata = extra_metadata or {}
         if self.ema is None:
-            return self._write(network, file_name, step, epoch, {})
-        path = self._write(network, file_name, step, epoch, self.ema.config.file_metadata("ema"))
+            return self._write(network, file_name, step, epoch, extra_metadata)
+        path = self._write(network, file_name, step, epoch, {**self.ema.config.file_metadata("ema"), **extra_metadata})
         if path is not None and self.ema.config.save_raw:
             with self.ema.training_weights():
                 self._write(network, raw_file_name(file_name), step, epoch, self.ema.config.file_metadata("raw"))
@@ -220,7 +227,7 @@ class LoraWriter:
                     self._remove(epoch_file_name(self.args.output_name, old_epoch))
 
     def _path(self, file_name: str) -> str:
-        return os.path.join(self.args.output_dir, f"{os.path.splitext(file_name)[0]}.{self.args.save_model_as}")
+        return output_path(self.args, file_name)
 
     def _remove(self, file_name: str) -> None:
         for name in (file_name, raw_file_name(file_name)) if self.ema is not None else (file_name,):
