@@ -759,6 +759,8 @@ class NetworkTrainer:
                 epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
                 saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name),
                                          progress.global_step, epoch)
+                if saved:  # the file re-read holds the trained LoRA (catches save bugs)
+                    lora_effect.check_written(run.network, saved, run.writer.save_dtype)
                 if saved and run.best is not None:
                     run.best.final_from_best(saved)
         if accelerator.is_main_process:

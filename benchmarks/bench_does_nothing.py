@@ -33,6 +33,19 @@ def quickstart_argv(models: Path, dataset: Path, output: Path, seed: int, learni
     ]
 
 
+def quickstart_inputs(work: Path) -> tuple[Path, Path]:
+    """The quick start's tiny models and demo dataset in ``work`` (built once)."""
+    from tools.build_tiny_models import build_tiny_models
+    from tools.make_demo_dataset import make_demo_dataset
+
+    models, dataset = work / "models", work / "dataset"
+    if not (models / "sdxl.safetensors").exists():
+        build_tiny_models(models)
+    if not dataset.exists():
+        make_demo_dataset(str(dataset))
+    return models, dataset
+
+
 def run_once(argv: list[str], output: Path) -> tuple[float, bool]:
     """(median weight change at the check step, whether the warning fired)."""
     from accelerate.state import AcceleratorState, GradientState
@@ -50,20 +63,16 @@ def run_once(argv: list[str], output: Path) -> tuple[float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first_seed", type=int, default=0, help="seeds first_seed .. first_seed + seeds - 1")
+    parser.add_argument("--skip_low_rate", action="store_true", help="leave out the lr 1e-9 run")
     parser.add_argument("--steps", type=int, default=40, help="the quick start's 40 (the check is at step 10)")
     parser.add_argument("--work", type=Path, default=Path("bench_does_nothing_work"))
     args = parser.parse_args()
-    from tools.build_tiny_models import build_tiny_models
-    from tools.make_demo_dataset import make_demo_dataset
-
-    models, dataset = args.work / "models", args.work / "dataset"
-    if not (models / "sdxl.safetensors").exists():
-        build_tiny_models(models)
-    if not dataset.exists():
-        make_demo_dataset(str(dataset))
+    models, dataset = quickstart_inputs(args.work)
     print(f"check step {lora_effect.check_step(args.steps)}, floor {lora_effect.DOES_NOTHING_FLOOR:g}")
     results = []
-    for learning_rate, seeds in (("1e-9", range(1)), ("5e-3", range(args.seeds))):
+    low = () if args.skip_low_rate else (("1e-9", range(1)),)
+    for learning_rate, seeds in (*low, ("5e-3", range(args.first_seed, args.first_seed + args.seeds))):
         for seed in seeds:
             output = args.work / f"run_{learning_rate}_{seed}"
             started = time.perf_counter()

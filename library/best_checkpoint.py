@@ -111,6 +111,9 @@ class BestCheckpoint:
     def observe(self, step: int, value: float, write_best: Callable[[dict[str, str]], Optional[str]]) -> Validated:
         """One validation's ``value`` at ``step``; ``write_best(extra_metadata)`` writes the best file
         (called on the main process when the value improves). Prints the trend line."""
+        if self.history and self.history[-1][0] == step:  # the epoch's pass after the step's: the same weights
+            _, _, verdict = self.history[-1]
+            return Validated(verdict, self.best_step, self.best_value, self.since_best, self.stopped_at is not None)
         verdict = trend(value, self.best_value, self.margin)
         if verdict == IMPROVING:
             self.best_value, self.best_step, self.since_best = value, step, 0

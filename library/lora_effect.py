@@ -194,3 +194,23 @@ class EffectMonitor:
             unet, lambda: validator.losses(self.network, batch_loss), scalars[f"loss/validation/{kind}_average"],
             validator.last_per_timestep, outputs, lambda tensor: accelerator.reduce(tensor.to(device), "sum").cpu()))
         return scalars
+
+
+def check_written(network: Any, path: str, save_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Re-read the LoRA file just written at ``path`` and compare it with the network it came from
+    (cast as the writer casts): a warning line naming the first missing, extra or different tensor,
+    or None when the file holds exactly the trained LoRA (so applying it has the trained effect)."""
+    from library.lora_files import cast_for_saving
+    from networks.network_base import read_lora_file
+
+    written = read_lora_file(path)
+    expected = cast_for_saving(network.lora_state_dict(), save_dtype)
+    problem = next((f"{key} is missing" for key in expected if key not in written), None) \
+        or next((f"{key} is not in the trained LoRA" for key in written if key not in expected), None) \
+        or next((f"{key} differs" for key, value in expected.items()
+                 if not torch.equal(written[key], value.detach().cpu())), None)
+    if problem is None:
+        return None
+    line = f"warning: {path} does not hold the trained LoRA as it was saved: {problem} (a save bug; please report it)"
+    print(line, flush=True)
+    return line

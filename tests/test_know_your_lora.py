@@ -2,6 +2,8 @@
 the trend of each validation and early stopping."""
 from __future__ import annotations
 
+import argparse
+import json
 import re
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from conftest import run_trainer, train_expecting_user_error
 from test_validation import file_metadata, jsonl_rows, rows_with, safetensors_parts, trainer_args, write_folder
 
 from library import best_checkpoint, lora_effect, lr_finder
+from library.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,19 @@ def test_trend_against_the_best():
     assert best_checkpoint.trend(1.005, 1.0, margin) == best_checkpoint.PLATEAU
     assert best_checkpoint.trend(1.02, 1.0, margin) == best_checkpoint.WORSE
     assert best_checkpoint.trend(float("nan"), 1.0, margin) == best_checkpoint.WORSE
+
+
+def test_patience_counts_validations_not_passes_at_the_same_step(tmp_path):
+    args = argparse.Namespace(best_checkpoint_margin=0.001, early_stop_patience=2)
+    tracker = best_checkpoint.BestCheckpoint(args, str(tmp_path / "best.safetensors"), is_main_process=True)
+    written = []
+    for step, value in ((4, 1.0), (8, 1.0), (8, 1.0), (12, 1.1)):  # step 8: the step's and the epoch's pass
+        verdict = tracker.observe(step, value, written.append)
+    assert [metadata["ss_best_step"] for metadata in written] == ["4"]
+    assert (verdict.trend, verdict.since_best, verdict.stop) == (best_checkpoint.WORSE, 2, True)
+    resumed = best_checkpoint.BestCheckpoint(args, str(tmp_path / "best.safetensors"), is_main_process=True)
+    resumed.load_state_dict(tracker.state_dict())
+    assert resumed.observe(16, 0.5, written.append).trend == best_checkpoint.IMPROVING and len(written) == 2
 
 
 @pytest.mark.parametrize("flag,value", [("--early_stop_patience", "0"), ("--best_checkpoint_margin", "1.5")])
@@ -157,7 +173,9 @@ def test_lr_window_from_the_rows():
 
 def test_find_lr_is_deterministic_and_leaves_the_run_as_it_was(tiny_models, three_images, tmp_path, capsys):
     finder = ("--find_lr_steps", "3", "--find_lr_min", "1e-4", "--find_lr_max", "1")
-    common = ("--max_train_steps", "3", "--mixed_precision", "fp16", "--network_dropout", "0.1")
+    # batch 3: the probe is one batch (4 forwards per measurement)
+    common = ("--max_train_steps", "3", "--train_batch_size", "3", "--mixed_precision", "fp16",
+              "--network_dropout", "0.1")
     csvs = []
     for name in ("a", "b"):
         capsys.readouterr()
@@ -182,3 +200,26 @@ def test_find_lr_does_not_apply_to_prodigy(tiny_models, three_images, tmp_path, 
                                                    "--find_lr_only"))
     assert "--find_lr: does not apply to --optimizer_type Prodigy" in capsys.readouterr().out
     assert not (tmp_path / "out" / "last-lr_find.csv").exists()
+
+
+# -- the plot ---------------------------------------------------------------------------------------------
+def test_plot_lora_quality_draws_every_panel_and_refuses_other_files(tmp_path, capsys):
+    from tools import plot_lora_quality
+
+    log = tmp_path / "log.jsonl"
+    rows = [{"step": step, "loss/current": 1.0 / step, "loss/average": 1.0, "loss/debiased": 1.0 - step / 100,
+             "loss/debiased_average": 1.0} for step in range(1, 5)]
+    rows += [{"step": step, "loss/validation/step_average": value, "effect/val_rel": value,
+              "effect/output_rel": step / 10, "effect/weight_rel_median": step / 100, "effect/weight_rel_max": step / 50}
+             for step, value in ((2, 0.9), (4, 0.95))]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    csv_path = tmp_path / "run-lr_find.csv"
+    csv_path.write_text("step,learning_rate,train_loss,probe_loss,probe_rel\n1,1e-06,1.0,1.0,1.0\n2,1e-05,1.0,1.1,1.1\n")
+    series = plot_lora_quality.read_series(log)
+    assert series["loss/validation/step_average"] == [(2, 0.9), (4, 0.95)]
+    out = plot_lora_quality.main([str(log), "--lr_find", str(csv_path), "--out", str(tmp_path / "q.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        plot_lora_quality.read_series(csv_path)
+    with pytest.raises(UserError, match="--out"):
+        plot_lora_quality.main([str(log), "--out", str(log)])
