@@ -592,7 +592,10 @@ class NetworkTrainer:
         run.outputs.record(result, run.average_loss, skipped=optimization.guard.skipped_steps,
                            non_finite_losses=run.progress.non_finite_losses,
                            overflows=scaler.overflow_count if scaler else None,
-                           debiased=debiased_scalars(run))
+                           extra={**debiased_scalars(run), **run.effect.check(
+                               result.step, guard_skipped=optimization.guard.skipped_steps,
+                               scaler_skipped=scaler.overflow_count if scaler else 0,
+                               learning_rates=result.learning_rates)})
 
     # -- healing --------------------------------------------------------------------------
     def heal(self, run: Run, result: StepResult, window: Window) -> None:
@@ -687,11 +690,7 @@ class NetworkTrainer:
 
     def after_step(self, run: Run, step: int, epoch: int) -> None:
         """Validation, LoRA file, sample images and state of a step save point (every process calls it)."""
-        args, scaler = run.args, run.optimization.scaler
-        run.effect.after_step(step, guard_skipped=run.optimization.guard.skipped_steps,
-                              scaler_skipped=scaler.overflow_count if scaler else 0,
-                              learning_rates=run.optimization.lr_scheduler.get_last_lr(),
-                              log=functools.partial(run.outputs.scalars, step))
+        args = run.args
         with run.weights_for_use():  # every step on every process, as kohya
             if run.validator is not None and run.validator.due_after_step(step):  # before this step's state
                 self.validate(run, "step", f"after step {step}")
@@ -1003,9 +1002,9 @@ def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indi
     return (mean + std * eps) * vae.config.scaling_factor
 
 
-def debiased_scalars(run: Run) -> Optional[dict[str, float]]:
-    """The step's ``--debiased_loss`` scalars (None without the option)."""
-    return run.loss.debiased.take(run.accelerator) if run.loss.debiased is not None else None
+def debiased_scalars(run: Run) -> dict[str, float]:
+    """The step's ``--debiased_loss`` scalars ({} without the option)."""
+    return run.loss.debiased.take(run.accelerator) if run.loss.debiased is not None else {}
 
 
 def max_norm_scalars(stats: network_base.MaxNormStats) -> dict[str, float]:

@@ -89,16 +89,16 @@ class EffectMonitor:
         return {"effect/weight_rel_median": ratios.median().item(), "effect/weight_rel_max": ratios.max().item()}
 
     # -- the "does nothing" check ------------------------------------------------------------
-    def after_step(self, step: int, *, guard_skipped: int, scaler_skipped: int, learning_rates: list[float],
-                   log: Callable[[dict[str, float]], None]) -> Optional[str]:
-        """At the check step and its multiples, until one warned: the weight scalars to ``log``, and the
-        warning line (printed once) when the LoRA does nothing, or when the guard skipped every step
-        since the previous check (the LoRA stopped learning); else None."""
+    def check(self, step: int, *, guard_skipped: int, scaler_skipped: int, learning_rates: list[float]
+              ) -> dict[str, float]:
+        """At the check step and its multiples, until one warned: the weight scalars (logged with the
+        step's), and the warning line (printed once, kept in ``warning``) when the LoRA does nothing,
+        or when the guard skipped every step since the previous check (the LoRA stopped learning)."""
         if self.warning is not None or step % self.check_at:
-            return None
+            return {}
         ratios = self.weight_ratios()
         median = ratios.median().item()
-        log({"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()})
+        scalars = {"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()}
         since_step, since_skipped = self._last_check
         self._last_check = (step, guard_skipped)
         if median < DOES_NOTHING_FLOOR:
@@ -110,7 +110,7 @@ class EffectMonitor:
                             f"{since_step + 1} to {step}" + self.guard_limit())
         if self.warning is not None and self.is_main_process:
             tqdm.write(self.warning)
-        return self.warning
+        return scalars
 
     def guard_limit(self) -> str:
         cap = getattr(self.args, "skip_grad_norm_max", None)
