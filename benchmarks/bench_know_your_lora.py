@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=4)
     parser.add_argument("--long", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--skip_finder", action="store_true", help="only the --debiased_loss cost")
     args = parser.parse_args()
     models, dataset = quickstart_inputs(args.work)
 
@@ -60,6 +61,8 @@ def main() -> None:
     debiased = per_step(argv("debiased", "--debiased_loss"), args.short, args.long, args.repeats)
     print(f"RESULT step {plain * 1000:.1f} ms, with --debiased_loss {debiased * 1000:.1f} ms "
           f"({debiased / plain:.3f} x)")
+    if args.skip_finder:
+        return
     finder_steps = 20
     with_finder = timed_run(argv("finder", "--find_lr_only", "--find_lr_steps", str(finder_steps))(args.short))
     without = timed_run(argv("nofinder")(args.short))
