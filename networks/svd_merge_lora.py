@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
@@ -40,10 +41,36 @@ from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import BASE_MODEL_VERSIONS, addnet_hashes, modelspec_metadata, wall_clock  # noqa: E402
 from library.tool_paths import check_output_path  # noqa: E402
 from networks import lora_block_weights, merge_lora, network_base, resize_lora  # noqa: E402
-from networks.convert_to_lora import ConvertedModule, Conversion  # noqa: E402
 
 OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt")
 
+
+
+@dataclass(frozen=True)
+class MergedModule:
+    """One module's outcome: its LoRA name, the rank written and the relative (Frobenius) error of its change."""
+
+    name: str
+    rank: int
+    relative_error: float
+    delta_norm: float  # ||summed change||_F, for the overall error
+
+
+@dataclass
+class SvdMerge:
+    """The merged LoRA state dict, a result per module, and what a LoRA cannot hold."""
+
+    weights: dict[str, torch.Tensor]
+    modules: list[MergedModule]
+    dropped: list[str]  # "name: what" for bias changes and norm modules
+    dropped_norm: float  # ||dropped changes||_F
+
+    @property
+    def overall_error(self) -> float:
+        """||all changes - all LoRA changes||_F / ||all changes||_F over every merged module."""
+        total = sum(module.delta_norm ** 2 for module in self.modules)
+        error = sum((module.relative_error * module.delta_norm) ** 2 for module in self.modules)
+        return math.sqrt(error / total) if total > 0 else 0.0
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="svd_merge_lora.py", description=__doc__.splitlines()[0])
@@ -106,7 +133,7 @@ def validate(args: argparse.Namespace) -> None:
 def svd_merge(files: network_deltas.NetworkFiles, ratios: Sequence[float],
               block_weights: Sequence[Optional[Sequence[float]]], new_rank: int,
               new_conv_rank: int, device: torch.device = torch.device("cpu"),
-              report: Optional[Callable[[ConvertedModule], None]] = None) -> Conversion:
+              report: Optional[Callable[[MergedModule], None]] = None) -> SvdMerge:
     """One LoRA module per layer the files change: the best rank-``new_rank`` (3x3 convs: ``new_conv_rank``;
     at most the layer's channels) approximation of ``sum ratio_i * block weight_i * change_i``, alpha = rank.
     ``block_weights``: per file, the 26 block multipliers of ``--lbws`` or None. Bias changes and norm layers,
@@ -138,11 +165,11 @@ def svd_merge(files: network_deltas.NetworkFiles, ratios: Sequence[float],
         weights[f"{module.name}.lora_down.weight"] = parts["down"].cpu()
         weights[f"{module.name}.lora_up.weight"] = parts["up"].cpu()
         weights[f"{module.name}.alpha"] = parts["alpha"].cpu()
-        result = ConvertedModule(module.name, parts["down"].shape[0], error, float(delta.norm()))
+        result = MergedModule(module.name, parts["down"].shape[0], error, float(delta.norm()))
         modules.append(result)
         if report is not None:
             report(result)
-    return Conversion(weights, modules, dropped, math.sqrt(dropped_squares))
+    return SvdMerge(weights, modules, dropped, math.sqrt(dropped_squares))
 
 
 def zero_padded(parts: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -212,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     files = network_deltas.NetworkFiles(args.models, network_deltas.model_for_networks(kind, args), "--models")
     files.check_base_independent()
 
-    def report(result: ConvertedModule) -> None:
+    def report(result: MergedModule) -> None:
         print(f"{result.name}: rank {result.rank}, relative error {result.relative_error:.3g}", flush=True)
 
     merged = svd_merge(files, ratios, block_weights, args.new_rank, new_conv_rank, resolve_device(args.device),
