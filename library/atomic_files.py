@@ -75,6 +75,12 @@ def write_file(path: str | os.PathLike, data: bytes | str) -> None:
         fsync_folder(path.parent)
 
 
+def rename_file(path: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename ``path`` to ``target`` (replacing it) atomically and durably (the folder is synced)."""
+    os.replace(path, target)
+    fsync_folder(Path(target).parent)
+
+
 @contextlib.contextmanager
 def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
     """For writers that take a file name (e.g. safetensors' ``save_file`` of a large checkpoint): yields

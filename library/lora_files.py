@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from library import atomic_files
 from library.ema import LoraEma, raw_file_name
 from library.errors import UserError
 from library.lora_metadata import addnet_hashes
@@ -237,7 +238,7 @@ class LoraWriter:
         for step, path in self.written:
             if step > after_step and os.path.exists(path):
                 target = abandoned_file_name(path)
-                os.replace(path, target)
+                atomic_files.rename_file(path, target)
                 renamed.append(target)
             else:
                 kept.append((step, path))
