@@ -29,6 +29,7 @@ from library import (
     loss_scaling, losses, model_loading, nan_report, noise, optimizers, torch_compile,
 )
 from library import lora_metadata, preflight, sampling, sharding, text_encoding, tracking, train_state, validation
+from library import best_checkpoint, debiased_loss, lora_effect, lr_finder
 from library.datasets import caching as dataset_caching, dataset as datasets, latents as cached_latents
 from library.errors import ArgumentParser, UserError, exit_on_user_error
 from library.model_loading import StableDiffusionModels
@@ -105,6 +106,8 @@ def setup_parser() -> argparse.ArgumentParser:
     model_loading.add_arguments(parser)
     datasets.add_arguments(parser)
     validation.add_arguments(parser)
+    best_checkpoint.add_arguments(parser)
+    lr_finder.add_arguments(parser)
     lora_files.add_arguments(parser)
     lora_metadata.add_arguments(parser)
     add_training_arguments(parser)
@@ -113,6 +116,7 @@ def setup_parser() -> argparse.ArgumentParser:
     add_network_arguments(parser)
     noise.add_arguments(parser)
     losses.add_arguments(parser)
+    debiased_loss.add_arguments(parser)
     optimizers.add_arguments(parser)
     ema.add_arguments(parser)
     grad_guard.add_arguments(parser)
@@ -190,6 +194,8 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
     losses.validate_arguments(args)
     sampling.validate_arguments(args)
     validation.validate_arguments(args)
+    best_checkpoint.validate_arguments(args)
+    lr_finder.validate_arguments(args)
     for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
@@ -217,6 +223,7 @@ class LossContext:
     train_text_encoder: bool
     device: torch.device
     check_inputs: bool = False
+    debiased: Optional[debiased_loss.DebiasedLoss] = None  # --debiased_loss: the base model's loss beside it
 
 
 @dataclass
@@ -264,6 +271,8 @@ class Run:
     outputs: RunOutputs
     average_loss: float = math.nan
     stopped: Optional[str] = None  # why the self-healing stopped the run
+    best: Optional[best_checkpoint.BestCheckpoint] = None  # with validation: the best file, early stop
+    effect: Optional[lora_effect.EffectMonitor] = None  # what the LoRA changes; the "does nothing" warning
 
     @property
     def device(self) -> torch.device:
@@ -327,8 +336,13 @@ class NetworkTrainer:
         if run is None:  # --debug_dataset printed the first epoch's batches
             return
         with run.outputs:
+            if lr_finder.requested(args):  # everything it touches is put back
+                lr_finder.find(self, run)
+                if args.find_lr_only:
+                    return
             self.after_start(run)
-            for window in run.data.windows(run.progress, args.max_train_steps, lambda: run.outputs.stop.requested,
+            for window in run.data.windows(run.progress, args.max_train_steps,
+                                           lambda: run.outputs.stop.requested or best_checkpoint.stopped(run.best),
                                            on_epoch_start=run.network.train):
                 if window.trains:
                     result = self.train_step(run, window)
@@ -354,8 +368,10 @@ class NetworkTrainer:
         ema.check_steps(args, args.max_train_steps)  # the steps are known once the data is
         models, network, loss = self.build_model(args, accelerator, data)
         optimization = self.build_optimization(args, accelerator, network, data)
+        best = best_checkpoint.create(args, data.validation_dataset is not None, lora_files.output_path(
+            args, best_checkpoint.best_file_name(args.output_name)), accelerator.is_main_process)
         states, progress, resume_step, captured = self.build_state(args, accelerator, network, optimization, data,
-                                                                   resume_from)
+                                                                   resume_from, best)
         validator = validation.create(args, data.validation_dataset, accelerator,
                                       loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
         metadata = {} if not accelerator.is_main_process else self.run_metadata(
@@ -371,7 +387,8 @@ class NetworkTrainer:
         writer = lora_files.LoraWriter(args, metadata, optimization.ema, current_metadata=optimization.healer.metadata)
         writer.trained = resume_from is not None or bool(args.network_weights)
         return Run(args, accelerator, models, network, data, loss, optimization, states, progress, validator,
-                   writer, outputs)
+                   writer, outputs, best=best,
+                   effect=lora_effect.EffectMonitor(args, network, accelerator.is_main_process))
 
     def resolve_options(self, args: argparse.Namespace, explicit: set[str]) -> Accelerator:
         """Check every option, apply aliases and presets, start accelerate and seed the RNGs."""
@@ -458,6 +475,7 @@ class NetworkTrainer:
                                        for p in module.parameters()),
             device,
             check_inputs=args.quarantine_bad_samples,
+            debiased=debiased_loss.create(args, network, device, data.steps_per_epoch),
         )
         return models, network, loss
 
@@ -487,7 +505,8 @@ class NetworkTrainer:
                             fault_injection.parse_injections(args.debug_inject_grad), ema.create(args, trainable_params))
 
     def build_state(self, args: argparse.Namespace, accelerator: Accelerator, network: network_base.AdapterNetwork,
-                    optimization: Optimization, data: TrainingData, resume_from: Optional[Path]
+                    optimization: Optimization, data: TrainingData, resume_from: Optional[Path],
+                    best: Optional[best_checkpoint.BestCheckpoint] = None
                     ) -> tuple[train_state.RunStates, train_state.Progress, Optional[int], bool]:
         """The run's state store and progress, resumed from the state ``resume_from`` (found by
         ``train_state.find_resume_state`` before the models loaded) when given; the resumed step
@@ -509,7 +528,9 @@ class NetworkTrainer:
             stateful["loss_scaler"] = optimization.scaler
         if optimization.ema is not None:
             stateful["ema"] = optimization.ema
-        states = train_state.RunStates(store, network, stateful, not_captured=("healing",))
+        if best is not None:  # the best value so far (a rewind keeps it: the best file stays the best seen)
+            stateful["best_checkpoint"] = best
+        states = train_state.RunStates(store, network, stateful, not_captured=("healing", "best_checkpoint"))
         resumed = states.resume(resume_from, accelerator.device)
         if resumed and (args.initial_step is not None or args.initial_epoch is not None):
             print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")
@@ -587,7 +608,11 @@ class NetworkTrainer:
         scaler = optimization.scaler
         run.outputs.record(result, run.average_loss, skipped=optimization.guard.skipped_steps,
                            non_finite_losses=run.progress.non_finite_losses,
-                           overflows=scaler.overflow_count if scaler else None)
+                           overflows=scaler.overflow_count if scaler else None,
+                           extra={**debiased_scalars(run), **run.effect.check(
+                               result.step, guard_skipped=optimization.guard.skipped_steps,
+                               scaler_skipped=scaler.overflow_count if scaler else 0,
+                               learning_rates=result.learning_rates)})
 
     # -- healing --------------------------------------------------------------------------
     def heal(self, run: Run, result: StepResult, window: Window) -> None:
@@ -715,8 +740,14 @@ class NetworkTrainer:
 
     def validate(self, run: Run, kind: str, where: str) -> None:
         """A validation pass on every process; its scalars are logged at the current step like the step's."""
-        scalars = run.validator.run(kind, run.network, functools.partial(self.validation_loss, run.loss),
-                                    run.average_loss, where)
+        batch_loss = functools.partial(self.validation_loss, run.loss)
+        scalars = run.effect.validation_pass(
+            run.loss.models.unet, run.validator, kind,
+            lambda: run.validator.run(kind, run.network, batch_loss, run.average_loss, where), batch_loss,
+            run.accelerator)
+        scalars.update(best_checkpoint.observe(run.best, kind, run.progress.global_step, scalars, functools.partial(
+            run.writer.write, run.network, best_checkpoint.best_file_name(run.args.output_name),
+            run.progress.global_step, run.progress.epoch)))
         run.outputs.scalars(run.progress.global_step, scalars)
 
     # -- the end ----------------------------------------------------------------------------
@@ -746,6 +777,10 @@ class NetworkTrainer:
                 epoch = progress.epoch - (1 if progress.batches_done == 0 else 0)
                 saved = run.writer.write(run.network, lora_files.final_file_name(args.output_name),
                                          progress.global_step, epoch)
+                if saved:  # the file re-read holds the trained LoRA (catches save bugs)
+                    lora_effect.check_written(run.network, saved, run.writer.save_dtype)
+                if saved and run.best is not None:
+                    run.best.final_from_best(saved)
         if accelerator.is_main_process:
             if args.save_state or args.save_state_on_train_end:  # kohya: --save_state also saves the last state
                 run.save_state(train_state.final_state_name(args.output_name))
@@ -920,10 +955,24 @@ class NetworkTrainer:
         target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                          args.v_parameterization)
         result = losses.batch_loss(prediction, target, plan, run.loss_options)
+        if run.debiased is not None and torch.is_grad_enabled():  # training steps (not validation, not probes)
+            self.add_base_loss(run, batch, noisy_latents, drawn.timesteps, conditioning, target, plan, result)
         if run.check_inputs:  # the inputs a sample brings: its latents, and the text conditioning when frozen
             frozen_conditioning = () if run.train_text_encoder and "text_encoder_outputs" not in batch else (conditioning,)
             result.inputs_finite = healing.inputs_finite(latents, *frozen_conditioning)
         return result
+
+    def add_base_loss(self, run: "LossContext", batch: dict[str, Any], noisy_latents: torch.Tensor,
+                      timesteps: torch.Tensor, conditioning: Any, target: torch.Tensor, plan: losses.BatchWeights,
+                      result: losses.WeightedLoss) -> None:
+        """``--debiased_loss``: the same inputs through the base model (library/debiased_loss.py)."""
+        with run.debiased.base_model():
+            if run.train_text_encoder and "text_encoder_outputs" not in batch:
+                conditioning = self.encode_prompts(run.args, run.models, batch["captions"])
+            with compatibility.offloaded_activations(run.args, run.device):
+                prediction = self.predict(run.models, noisy_latents, timesteps, conditioning, batch)
+            base = losses.batch_loss(prediction, target, plan, run.loss_options)
+        run.debiased.add(result.per_sample, base.per_sample)
 
     def validation_loss(
         self, run: "LossContext", batch: dict[str, Any], timesteps: torch.Tensor, epoch: int, seed: int
@@ -976,6 +1025,11 @@ def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indi
     mean, std = distribution.mean.float(), distribution.std.float()
     eps = noise.draw_latent_samples(seed, epoch, sample_indices, tuple(mean.shape[1:])).to(mean.device)
     return (mean + std * eps) * vae.config.scaling_factor
+
+
+def debiased_scalars(run: Run) -> dict[str, float]:
+    """The step's ``--debiased_loss`` scalars ({} without the option)."""
+    return run.loss.debiased.take(run.accelerator) if run.loss.debiased is not None else {}
 
 
 def max_norm_scalars(stats: network_base.MaxNormStats) -> dict[str, float]:

@@ -104,6 +104,11 @@ def last_healthy_file_name(output_name: str) -> str:
 
 
 # -- rotation: kohya's formulas (train_util.get_remove_step_no / get_remove_epoch_no), for files and states
+def output_path(args: argparse.Namespace, file_name: str) -> str:
+    """Where a LoRA file ``file_name`` is written: in ``--output_dir``, with the ``--save_model_as`` extension."""
+    return os.path.join(args.output_dir, f"{os.path.splitext(file_name)[0]}.{args.save_model_as}")
+
+
 def step_to_remove(step: int, every: int, keep: Optional[int]) -> Optional[int]:
     """The save point that falls out of "the last ``keep`` steps" once step ``step`` is saved
     (saves every ``every`` steps), or None. kohya removes exactly this one, not every older one:
@@ -189,22 +194,24 @@ class LoraWriter:
         self.trained = True
         self.written: list[tuple[int, str]] = []
 
-    def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int) -> Optional[str]:
+    def write(self, network: LoRANetwork, file_name: str, step: int, epoch: int,
+              extra_metadata: Optional[Mapping[str, str]] = None) -> Optional[str]:
         """Save ``network`` as ``file_name`` (its extension: ``--save_model_as``) in the output folder (and its
         raw weights beside it with ``--ema_save_raw``); None when refused (see ``save_refusal``), in which case
-        nothing is written."""
+        nothing is written. ``extra_metadata``: this file's own entries (e.g. the best checkpoint's)."""
+        extra_metadata = extra_metadata or {}
         if not self.trained:
             print(f"\nnot saving {self._path(file_name)}: it would hold the initial, untrained LoRA (no optimizer "
                   f"step of this run has trained it yet); no file written or removed", flush=True)
             return None
         if self.ema is None:
-            return self._write(network, file_name, step, epoch, {})
+            return self._write(network, file_name, step, epoch, extra_metadata)
         if self.ema.updates == 0:  # it holds the untrained weights: writing it would replace a good file with them
             print(f"\nnot saving {self._path(file_name)}: the EMA has not updated yet (its first update is after "
                   f"{self.ema.config.update_every} trained steps, --ema_update_every); no file written or removed",
                   flush=True)
             return None
-        path = self._write(network, file_name, step, epoch, self.ema.config.file_metadata("ema"))
+        path = self._write(network, file_name, step, epoch, {**self.ema.config.file_metadata("ema"), **extra_metadata})
         if path is not None and self.ema.config.save_raw:
             with self.ema.training_weights():
                 self._write(network, raw_file_name(file_name), step, epoch, self.ema.config.file_metadata("raw"))
@@ -263,7 +270,7 @@ class LoraWriter:
                     self._remove(epoch_file_name(self.args.output_name, old_epoch))
 
     def _path(self, file_name: str) -> str:
-        return os.path.join(self.args.output_dir, f"{os.path.splitext(file_name)[0]}.{self.args.save_model_as}")
+        return output_path(self.args, file_name)
 
     def _remove(self, file_name: str) -> None:
         for name in (file_name, raw_file_name(file_name)) if self.ema is not None else (file_name,):

@@ -76,9 +76,10 @@ class RunOutputs:
         self.accelerator.end_training()
 
     def record(self, result: StepResult, average_loss: float, *, skipped: int, non_finite_losses: int,
-               overflows: Optional[int]) -> dict[str, float]:
+               overflows: Optional[int], extra: Optional[dict[str, float]] = None) -> dict[str, float]:
         """One optimizer step: a gradient-log row, the progress bar, tracker scalars and a JSON line.
-        ``skipped``: the guard's skip count; ``overflows``: the scaler's (None without one)."""
+        ``skipped``: the guard's skip count; ``overflows``: the scaler's (None without one);
+        ``extra``: more scalars of the step (``--debiased_loss``'s, the effect check's)."""
         measured, decision = result.measured, result.decision
         if self.grad_log is not None:
             self.grad_log.append(
@@ -88,6 +89,9 @@ class RunOutputs:
                 cosine=measured.cosine if self.log_cosine else None,
             )
         postfix = {"avr_loss": f"{average_loss:.4f}"}
+        extra = extra or {}
+        if "loss/debiased_average" in extra:
+            postfix["dbl_loss"] = f"{extra['loss/debiased_average']:.4f}"
         if result.max_norm_logs:  # kohya's progress bar names
             postfix["Keys Scaled"] = int(result.max_norm_logs["max_norm/keys_scaled"])
             postfix["Average key norm"] = f"{result.max_norm_logs['max_norm/average_key_norm']:.4f}"
@@ -115,6 +119,7 @@ class RunOutputs:
         for index, lr in enumerate(result.learning_rates):
             logs[f"lr/group{index}"] = lr
         logs.update(result.max_norm_logs)
+        logs.update(extra)
         logs.update(self.event_scalars)
         self.accelerator.log(logs, step=result.step)
         if self.jsonl is not None:

@@ -97,6 +97,7 @@ class Validation:
         self.dataset = dataset
         self.accelerator = accelerator
         self.timesteps = fixed_timesteps(args.min_timestep, args.max_timestep, num_train_timesteps)
+        self.last_per_timestep: dict[int, float] = {}  # the latest pass's mean loss at each timestep
         # Captions as training ends (token warm-up over), in one fixed epoch.
         dataset.step_layout = StepLayout(max_train_steps=args.max_train_steps)
         dataset.set_epoch(DATASET_EPOCH, first_step=args.max_train_steps)
@@ -129,32 +130,44 @@ class Validation:
         is recorded and no global RNG is drawn from. Batches in which nothing counts (weight
         sum 0) are left out of the mean.
         """
+        return self.losses(network, batch_loss)[0]
+
+    def losses(self, network: torch.nn.Module, batch_loss: BatchLoss) -> tuple[float, dict[int, float]]:
+        """:meth:`loss` and the mean loss at each fixed timestep (``{timestep: value}``) of the same pass."""
         device = self.accelerator.device
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=device), 0
+        timestep_sums = torch.zeros(2, len(self.timesteps), dtype=torch.float64, device=device)  # sums, counts
         network.eval()
         try:
             with torch.no_grad():
                 for batch in self.loader:
                     batch = send_to_device(batch, device)
                     size = len(batch["sample_indices"])
-                    for timestep in self.timesteps:
+                    for index, timestep in enumerate(self.timesteps):
                         timesteps = torch.full((size,), timestep, dtype=torch.long)
                         loss, weight_sum = batch_loss(batch, timesteps, draw_epoch(timestep), self.dataset.seed)
                         if weight_sum > 0:
                             loss_sum += loss.double()
                             count += 1
+                            timestep_sums[0, index] += loss.double()
+                            timestep_sums[1, index] += 1
         finally:
             network.train()
-        totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
-        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
-        return loss_sum / count if count else float("nan")
+        totals = torch.cat([torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)]),
+                            timestep_sums.flatten()])
+        totals = self.accelerator.reduce(totals, reduction="sum").tolist()
+        loss_sum, count = totals[:2]
+        sums, counts = totals[2:2 + len(self.timesteps)], totals[2 + len(self.timesteps):]
+        per_timestep = {timestep: (total / n if n else float("nan"))
+                        for timestep, total, n in zip(self.timesteps, sums, counts)}
+        return (loss_sum / count if count else float("nan")), per_timestep
 
     def run(self, kind: str, network: torch.nn.Module, batch_loss: BatchLoss, average_train_loss: float,
             where: str) -> dict[str, float]:
         """One pass; returns kohya's scalars ``loss/validation/<kind>_average`` and ``_divergence``
         (validation minus ``average_train_loss``) and prints one line on the main process.
         ``kind``: "step" or "epoch"; ``where``: the point of training, for the printed line."""
-        value = self.loss(network, batch_loss)
+        value, self.last_per_timestep = self.losses(network, batch_loss)
         divergence = value - average_train_loss
         if self.accelerator.is_local_main_process:
             tqdm.write(f"validation loss {where}: {value:.6f} (validation - average training loss: {divergence:+.6f})")

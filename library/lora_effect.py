@@ -1,0 +1,216 @@
+"""What the LoRA does to the model: the effect monitor and the "this LoRA does nothing" warning.
+
+At every validation (docs/know_your_lora.md) the monitor logs
+
+* ``effect/output_rel``: ``||UNet_lora(x) - UNet_base(x)|| / ||UNet_base(x)||`` over the validation
+  pass (its fixed timesteps and noise). The base is the same UNet with the network's multiplier 0
+  (the adapters then add exactly 0); its outputs and losses are computed once, in one extra
+  validation pass at the first validation, and kept (on the CPU).
+* ``effect/val_rel``: the validation loss relative to the base model's, and ``effect/val_rel_t<T>``
+  at each fixed timestep T (below 1: the LoRA predicts the held-out images better than the base).
+* ``effect/weight_rel_median`` / ``effect/weight_rel_max``: ``||delta W||_F / ||W||_F`` over the
+  adapted modules. For a LoRA, ``||up @ down||_F`` comes from two rank x rank Gram matrices
+  (``sqrt(sum((U^T U) * (D D^T)))``), without forming delta W; types with a ``delta_weight()``
+  (LoHa, LoKr) use it; others the merged weight minus the base.
+
+The weight ratios need no forward pass, so they are also what the "does nothing" check reads, with
+or without validation, at step ``min(50, ceil(max_train_steps / 4))`` and its multiples (logged
+there too), until it warned once: when the median ratio is below ``DOES_NOTHING_FLOOR`` (1e-6) the
+warning names the likely cause from what the run knows: every step skipped by the gradient guard,
+or by the loss scaler; weights that received no update at all though steps were taken (the LoRA is
+not in the model's forward, or the trained part's gradient does not reach it); otherwise a
+learning rate too low. A later check also warns when the guard skipped every step since the
+previous one (the LoRA stopped learning). Measured values: docs/know_your_lora.md.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from tqdm import tqdm
+
+from library import fp8_base
+
+DOES_NOTHING_FLOOR = 1e-6  # median ||delta W|| / ||W|| below this: the LoRA does nothing (docs/know_your_lora.md)
+CHECK_STEP_CAP = 50  # the "does nothing" check happens by this step at the latest
+
+
+def check_step(max_train_steps: int) -> int:
+    """The step of the "does nothing" check: a quarter of the run, at most step 50."""
+    return max(1, min(CHECK_STEP_CAP, math.ceil(max_train_steps / 4)))
+
+
+def module_delta_norm(network: Any, lora: torch.nn.Module) -> torch.Tensor:
+    """``||delta W||_F`` of one adapter module at multiplier 1, float32, 0-dim."""
+    factors = network.max_norm_weights(lora)
+    if factors is not None and hasattr(lora, "alpha"):  # delta W = up @ down * alpha / rank
+        up, down = factors
+        rank = down.shape[0]
+        up, down = up.reshape(-1, rank).float(), down.reshape(rank, -1).float()
+        squared = ((up.mT @ up) * (down @ down.mT)).sum().clamp(min=0)
+        return squared.sqrt() * (lora.alpha.float().abs() / rank)
+    if hasattr(lora, "delta_weight"):
+        return torch.linalg.vector_norm(lora.delta_weight().float())
+    base = fp8_base.frozen_weight(network.wrapped_module(lora), torch.float32)
+    return torch.linalg.vector_norm(network.merged_parameters(lora, 1.0)["weight"].float() - base)
+
+
+class EffectMonitor:
+    """The effect scalars of a run and its one "does nothing" check."""
+
+    def __init__(self, args: argparse.Namespace, network: Any, is_main_process: bool) -> None:
+        self.args = args
+        self.network = network
+        self.is_main_process = is_main_process
+        self.check_at = check_step(args.max_train_steps)
+        self.warning: Optional[str] = None
+        self._last_check = (0, 0)  # (step, guard skips) at the previous check
+        self._base_norms: Optional[torch.Tensor] = None
+        self._base_outputs: Optional[list[torch.Tensor]] = None
+        self._base_loss: Optional[tuple[float, dict[int, float]]] = None
+
+    # -- weights ------------------------------------------------------------------------
+    @torch.no_grad()
+    def weight_ratios(self) -> torch.Tensor:
+        """``||delta W|| / ||W||`` of every adapter module (float32, on the CPU)."""
+        loras = self.network.all_loras()
+        if self._base_norms is None:  # the wrapped weights are frozen
+            self._base_norms = torch.stack([
+                torch.linalg.vector_norm(fp8_base.frozen_weight(self.network.wrapped_module(lora), torch.float32))
+                for lora in loras]).cpu()
+        deltas = torch.stack([module_delta_norm(self.network, lora) for lora in loras]).cpu()
+        return deltas / self._base_norms.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def weight_scalars(self) -> dict[str, float]:
+        ratios = self.weight_ratios()
+        return {"effect/weight_rel_median": ratios.median().item(), "effect/weight_rel_max": ratios.max().item()}
+
+    # -- the "does nothing" check ------------------------------------------------------------
+    def check(self, step: int, *, guard_skipped: int, scaler_skipped: int, learning_rates: list[float]
+              ) -> dict[str, float]:
+        """At the check step and its multiples, until one warned: the weight scalars (logged with the
+        step's), and the warning line (printed once, kept in ``warning``) when the LoRA does nothing,
+        or when the guard skipped every step since the previous check (the LoRA stopped learning)."""
+        if self.warning is not None or step % self.check_at:
+            return {}
+        ratios = self.weight_ratios()
+        median = ratios.median().item()
+        scalars = {"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()}
+        since_step, since_skipped = self._last_check
+        self._last_check = (step, guard_skipped)
+        if median < DOES_NOTHING_FLOOR:
+            self.warning = (f"warning: this LoRA does nothing after {step} steps (median weight change "
+                            f"||delta W||/||W|| {median:.3g}, below {DOES_NOTHING_FLOOR:g}): "
+                            + self.likely_cause(step, ratios, guard_skipped, scaler_skipped, learning_rates))
+        elif guard_skipped - since_skipped >= step - since_step:
+            self.warning = (f"warning: this LoRA stopped learning: the gradient guard skipped every step from step "
+                            f"{since_step + 1} to {step}" + self.guard_limit())
+        if self.warning is not None and self.is_main_process:
+            tqdm.write(self.warning)
+        return scalars
+
+    def guard_limit(self) -> str:
+        cap = getattr(self.args, "skip_grad_norm_max", None)
+        return (f"; its limit --skip_grad_norm_max {cap:g} is below this run's gradient norms (see the gradient "
+                f"log)" if cap is not None else "; see the gradient log for the norms")
+
+    def likely_cause(self, step: int, ratios: torch.Tensor, guard_skipped: int, scaler_skipped: int,
+                     learning_rates: list[float]) -> str:
+        """The likeliest reason, from what the run knows (most specific first)."""
+        if guard_skipped >= step:
+            return f"the gradient guard skipped every step ({guard_skipped} of {step})" + self.guard_limit()
+        if scaler_skipped >= step:
+            return f"the fp16 loss scaler skipped every step ({scaler_skipped} of {step}): the gradients overflow"
+        if ratios.max().item() == 0.0 and self.network_starts_at_zero():
+            return ("no adapter weight changed although steps were taken: the LoRA gets no gradient (it is not "
+                    "in the model's forward, e.g. a text encoder LoRA with cached text encoder outputs, or a part "
+                    "trained at learning rate 0)")
+        rates = ", ".join(f"{lr:.3g}" for lr in learning_rates)
+        return (f"the learning rate is too low (now {rates}); raise --learning_rate/--unet_lr (--find_lr suggests "
+                f"a range) or check the scheduler's warm-up")
+
+    def network_starts_at_zero(self) -> bool:
+        """Whether every adapter would start with delta W = 0 (a fresh LoRA; a loaded one did not)."""
+        return not self.args.network_weights
+
+    # -- at every validation -------------------------------------------------------------
+    @contextlib.contextmanager
+    def capturing(self, unet: torch.nn.Module, outputs: list[torch.Tensor]) -> Iterator[None]:
+        """Collects the UNet's outputs (CPU float32) of the enclosed validation pass into ``outputs``."""
+        def keep(_module, _inputs, output):
+            sample = output.sample if hasattr(output, "sample") else output[0] if isinstance(output, tuple) else output
+            outputs.append(sample.detach().float().cpu())
+
+        handle = unet.register_forward_hook(keep)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def validation_scalars(self, unet: torch.nn.Module, validate: Callable[[], tuple[float, dict[int, float]]],
+                           value: float, per_timestep: dict[int, float], outputs: list[torch.Tensor],
+                           reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The effect scalars of a validation pass (``value``, ``per_timestep``, the UNet ``outputs``
+        captured during it); ``validate()`` re-runs the pass (the base pass, at the first call);
+        ``reduce`` sums a tensor over processes."""
+        if self._base_outputs is None:
+            multiplier = self.network.multiplier
+            self._base_outputs = []
+            self.network.set_multiplier(0.0)
+            try:
+                with self.capturing(unet, self._base_outputs):
+                    self._base_loss = validate()
+            finally:
+                self.network.set_multiplier(multiplier)
+        base_value, base_per_timestep = self._base_loss
+        difference = sum((float((lora - base).double().square().sum()) for lora, base in
+                          zip(outputs, self._base_outputs)), 0.0)
+        size = sum((float(base.double().square().sum()) for base in self._base_outputs), 0.0)
+        difference, size = reduce(torch.tensor([difference, size], dtype=torch.float64)).tolist()
+        scalars = {"effect/output_rel": math.sqrt(difference / size) if size else float("nan"),
+                   "effect/val_rel": value / base_value if base_value else float("nan")}
+        for timestep, loss in per_timestep.items():
+            base = base_per_timestep.get(timestep)
+            scalars[f"effect/val_rel_t{timestep}"] = loss / base if base else float("nan")
+        scalars.update(self.weight_scalars())
+        if self.is_main_process:
+            tqdm.write(f"effect: output {scalars['effect/output_rel']:.4g} of the base's, validation loss "
+                       f"{scalars['effect/val_rel']:.4f} x the base's, weight change median "
+                       f"{scalars['effect/weight_rel_median']:.3g} max {scalars['effect/weight_rel_max']:.3g}")
+        return scalars
+
+    def validation_pass(self, unet: torch.nn.Module, validator: Any, kind: str, run_pass: Callable[[], dict[str, float]],
+                        batch_loss: Any, accelerator: Any) -> dict[str, float]:
+        """``run_pass()`` (the validation's own pass and scalars) with the UNet outputs captured, and the
+        effect scalars added (the base pass at the first call)."""
+        outputs: list[torch.Tensor] = []
+        with self.capturing(unet, outputs):
+            scalars = run_pass()
+        device = accelerator.device
+        scalars.update(self.validation_scalars(
+            unet, lambda: validator.losses(self.network, batch_loss), scalars[f"loss/validation/{kind}_average"],
+            validator.last_per_timestep, outputs, lambda tensor: accelerator.reduce(tensor.to(device), "sum").cpu()))
+        return scalars
+
+
+def check_written(network: Any, path: str, save_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Re-read the LoRA file just written at ``path`` and compare it with the network it came from
+    (cast as the writer casts): a warning line naming the first missing, extra or different tensor,
+    or None when the file holds exactly the trained LoRA (so applying it has the trained effect)."""
+    from library.lora_files import cast_for_saving
+    from networks.network_base import read_lora_file
+
+    written = read_lora_file(path)
+    expected = cast_for_saving(network.lora_state_dict(), save_dtype)
+    problem = next((f"{key} is missing" for key in expected if key not in written), None) \
+        or next((f"{key} is not in the trained LoRA" for key in written if key not in expected), None) \
+        or next((f"{key} differs" for key, value in expected.items()
+                 if not torch.equal(written[key], value.detach().cpu())), None)
+    if problem is None:
+        return None
+    line = f"warning: {path} does not hold the trained LoRA as it was saved: {problem} (a save bug; please report it)"
+    print(line, flush=True)
+    return line
