@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm import tqdm
 
-from library import fp8_base
 
 DOES_NOTHING_FLOOR = 1e-6  # median ||delta W|| / ||W|| below this: the LoRA does nothing (docs/know_your_lora.md)
 CHECK_STEP_CAP = 50  # the "does nothing" check happens by this step at the latest
@@ -44,7 +43,10 @@ def check_step(max_train_steps: int) -> int:
 
 
 def module_delta_norm(network: Any, lora: torch.nn.Module) -> torch.Tensor:
-    """``||delta W||_F`` of one adapter module at multiplier 1, float32, 0-dim."""
+    """``||delta W||_F`` of one adapter module at multiplier 1, float32, 0-dim, whatever the dtypes of the
+    base weight (fp16, bf16, float8) and of the module: a LoRA's from its factors, a ``delta_weight()``
+    (kohya's LoHa, LoKr), else the merged weight minus the base, both in ``merge_dtype`` (float32; its
+    rounding, ~6e-8 of ||W||, is far below ``DOES_NOTHING_FLOOR``)."""
     factors = network.max_norm_weights(lora)
     if factors is not None and hasattr(lora, "alpha"):  # delta W = up @ down * alpha / rank
         up, down = factors
@@ -54,8 +56,8 @@ def module_delta_norm(network: Any, lora: torch.nn.Module) -> torch.Tensor:
         return squared.sqrt() * (lora.alpha.float().abs() / rank)
     if hasattr(lora, "delta_weight"):
         return torch.linalg.vector_norm(lora.delta_weight().float())
-    base = fp8_base.frozen_weight(network.wrapped_module(lora), torch.float32)
-    return torch.linalg.vector_norm(network.merged_parameters(lora, 1.0)["weight"].float() - base)
+    merged = network.merged_parameters(lora, 1.0)["weight"]
+    return torch.linalg.vector_norm(merged.float() - network.frozen_weight(lora, merged.dtype).float())
 
 
 class EffectMonitor:
@@ -68,24 +70,56 @@ class EffectMonitor:
         self.check_at = check_step(args.max_train_steps)
         self.warning: Optional[str] = None
         self._last_check = (0, 0)  # (step, guard skips) at the previous check
-        self._base_norms: Optional[torch.Tensor] = None
+        self._measured: Optional[list[torch.nn.Module]] = None  # the modules whose weight change is measured
+        self._base_norms: Optional[torch.Tensor] = None  # their ||W||
+        self._skipped = 0  # modules left out (their type cannot give the weight change)
         self._base_outputs: Optional[list[torch.Tensor]] = None
         self._base_loss: Optional[tuple[float, dict[int, float]]] = None
 
     # -- weights ------------------------------------------------------------------------
     @torch.no_grad()
     def weight_ratios(self) -> torch.Tensor:
-        """``||delta W|| / ||W||`` of every adapter module (float32, on the CPU)."""
-        loras = self.network.all_loras()
-        if self._base_norms is None:  # the wrapped weights are frozen
-            self._base_norms = torch.stack([
-                torch.linalg.vector_norm(fp8_base.frozen_weight(self.network.wrapped_module(lora), torch.float32))
-                for lora in loras]).cpu()
-        deltas = torch.stack([module_delta_norm(self.network, lora) for lora in loras]).cpu()
-        return deltas / self._base_norms.clamp(min=torch.finfo(torch.float32).tiny)
+        """``||delta W|| / ||W||`` of every adapter module that can give it (float32, on the CPU). A module
+        whose type cannot (an error computing it) is left out, with one line naming it and why, and the
+        run goes on: the monitor never stops training."""
+        if self._measured is None:  # the wrapped weights are frozen: their norms once
+            self._measured, norms = [], []
+            for lora in self.network.all_loras():
+                norm = self._measure(lora, lambda: torch.linalg.vector_norm(
+                    self.network.frozen_weight(lora, torch.float32)))
+                if norm is not None:
+                    self._measured.append(lora)
+                    norms.append(norm.cpu())
+            self._base_norms = torch.stack(norms) if norms else torch.zeros(0)
+        keep, deltas = [], []
+        for index, lora in enumerate(self._measured):
+            delta = self._measure(lora, lambda: module_delta_norm(self.network, lora))
+            if delta is not None:
+                keep.append(index)
+                deltas.append(delta.cpu())
+        if len(keep) < len(self._measured):  # the skipped ones stay out from now on
+            self._measured = [self._measured[index] for index in keep]
+            self._base_norms = self._base_norms[keep]
+        if not deltas:
+            return torch.zeros(0)
+        return torch.stack(deltas) / self._base_norms.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def _measure(self, lora: torch.nn.Module, compute: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+        """``compute()`` as a float32 0-dim tensor, or None (with one line) when this module's type cannot."""
+        try:
+            return compute().float().reshape(())
+        except (RuntimeError, AttributeError, TypeError, ValueError, NotImplementedError) as error:
+            self._skipped += 1
+            if self._skipped == 1 and self.is_main_process:
+                tqdm.write(f"effect monitor: the weight change of {lora.lora_name} ({type(lora).__name__}) cannot be "
+                           f"measured ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                           f"such modules are left out of effect/weight_rel_*")
+            return None
 
     def weight_scalars(self) -> dict[str, float]:
         ratios = self.weight_ratios()
+        if not len(ratios):
+            return {}
         return {"effect/weight_rel_median": ratios.median().item(), "effect/weight_rel_max": ratios.max().item()}
 
     # -- the "does nothing" check ------------------------------------------------------------
@@ -97,6 +131,9 @@ class EffectMonitor:
         if self.warning is not None or step % self.check_at:
             return {}
         ratios = self.weight_ratios()
+        if not len(ratios):  # no module's weight change can be measured (the line said why): no check
+            self.check_at = math.inf
+            return {}
         median = ratios.median().item()
         scalars = {"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()}
         since_step, since_skipped = self._last_check

@@ -40,6 +40,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -318,21 +319,31 @@ class LycorisNetwork(AdapterNetwork):
         # lycoris' rule (LycorisNetworkKohya.prepare_optimizer_params): parameters named lora_up.
         return [param for name, param in lora.named_parameters() if "lora_up" in name]
 
+    def frozen_weight(self, lora: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Full's ``apply_to`` takes the weight off the layer and keeps the only copy (on the CPU)."""
+        if isinstance(lora, FullModule):
+            weight = lora.org_weight
+            return weight.to(lora.weight.device, dtype or network_base.merge_dtype(weight.dtype))
+        return super().frozen_weight(lora, dtype)
+
     def merged_parameters(self, lora: torch.nn.Module, multiplier: float) -> dict[str, torch.Tensor]:
         """The wrapped layer's weight (and Full's bias) with the module merged in, rank dropout off:
-        what the module's forward computes. lycoris' ``get_merged_weight`` gives that, except for
-        LoHa and LoKr (it applies alpha/dim twice; their forward once) and DyLoRA (a random rank)."""
+        what the module's forward computes, in ``merge_dtype``. lycoris' ``get_merged_weight`` gives
+        that, except for LoHa and LoKr (it applies alpha/dim twice; their forward once) and DyLoRA (a
+        random rank). lycoris reads the base weight from the layer as stored (fp16 while training in
+        fp16: GLoRA's matmul with its float32 factors fails), so it computes on a stand-in layer
+        holding the base weight in ``merge_dtype`` (float8 dequantized)."""
+        weight = self.frozen_weight(lora)
         training = lora.training
         lora.eval()
         try:
-            with torch.no_grad():
-                weight, bias = _merged_weight(lora, multiplier, self.wrapped_module(lora).weight)
+            with torch.no_grad(), _base_weight_as(lora, weight):
+                merged_weight, bias = _merged_weight(lora, multiplier, weight)
         finally:
             lora.train(training)
-        dtype = network_base.merge_dtype(self.wrapped_module(lora).weight.dtype)
-        merged = {"weight": weight.to(dtype)}
+        merged = {"weight": merged_weight.to(weight.dtype)}
         if bias is not None:
-            merged["bias"] = bias.to(dtype)
+            merged["bias"] = bias.to(weight.dtype)
         return merged
 
     # -- max-norm: lycoris' apply_max_norm ----------------------------------------------
@@ -437,6 +448,23 @@ class LycorisNetwork(AdapterNetwork):
                 own[key].copy_(value)
 
 
+@contextlib.contextmanager
+def _base_weight_as(lora: torch.nn.Module, weight: torch.Tensor) -> Iterator[None]:
+    """lycoris' ``lora.org_weight`` (the layer's weight) reads ``weight`` within: the module points at
+    a stand-in layer meanwhile (the model is not touched). Full keeps its own copy and needs none."""
+    if isinstance(lora, FullModule):
+        yield
+        return
+    layer = lora.org_module[0]
+    bias = getattr(layer, "bias", None)
+    stand_in = SimpleNamespace(weight=weight, bias=None if bias is None else bias.detach().to(weight.dtype))
+    lora.org_module = [stand_in]
+    try:
+        yield
+    finally:
+        lora.org_module = [layer]
+
+
 def _merged_weight(lora: torch.nn.Module, multiplier: float, weight: torch.Tensor
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(weight, bias or None) of the layer with ``lora`` merged at ``multiplier``."""
@@ -452,7 +480,7 @@ def _merged_weight(lora: torch.nn.Module, multiplier: float, weight: torch.Tenso
         down = torch.cat(list(lora.down_list))
         diff = (up @ down).reshape(weight.shape) * (float(lora.alpha) / lora.lora_dim)
         return weight + diff.to(weight.dtype) * multiplier, None
-    return lora.get_merged_weight(multiplier=multiplier, shape=weight.shape)
+    return lora.get_merged_weight(multiplier=multiplier, shape=weight.shape, device=weight.device)
 
 
 def _load_dylora(lora: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:

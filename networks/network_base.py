@@ -21,7 +21,8 @@ wrapped module's forward through the adapter), ``restore()`` (undo it) and param
   module's learning rate is ``lr_override`` or its part's lr times ``lr_weight``; modules of a
   part with equal (block, weight, override) share an optimizer group (kohya's block-wise
   ``down_lr_weight``/``mid_lr_weight``/``up_lr_weight``, and ``network_reg_lrs``).
-* ``wrapped_module``: the network method giving the wrapped Linear/Conv2d (default ``lora.org_module``).
+* ``wrapped_module``: the network method giving the wrapped Linear/Conv2d (default ``lora.org_module``),
+  and ``frozen_weight``: its base weight (default: the wrapped module's, dequantized from float8).
 
 Naming is kohya's: ``<prefix>_<module path with dots as underscores>``; prefixes ``lora_unet``,
 ``lora_te`` (SD1.x/2.x) or ``lora_te1``/``lora_te2`` (SDXL). SDXL UNet paths are the original
@@ -315,6 +316,12 @@ class AdapterNetwork(torch.nn.Module):
     def wrapped_module(self, lora: torch.nn.Module) -> torch.nn.Module:
         """The Linear/Conv2d ``lora`` wraps."""
         return lora.org_module
+
+    def frozen_weight(self, lora: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The base weight ``lora`` adapts (without the adapter; a float8 one dequantized) in ``dtype``,
+        by default the dtype merges are computed in (``merge_dtype``)."""
+        layer = self.wrapped_module(lora)
+        return fp8_base.frozen_weight(layer, dtype or merge_dtype(layer.weight.dtype))
 
     def lr_group(self, lora: torch.nn.Module) -> tuple[Optional[int], float, Optional[float]]:
         """(block, lr weight, lr override) of ``lora``: see the module docstring."""

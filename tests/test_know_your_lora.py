@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_trainer, train_expecting_user_error
 from test_validation import file_metadata, jsonl_rows, rows_with, safetensors_parts, trainer_args, write_folder
 
-from library import best_checkpoint, lora_effect, lr_finder
+from library import best_checkpoint, checkpoint_keys, lora_effect, lr_finder
 from library.errors import UserError
+from networks import convert_to_lora, network_base, registry
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,66 @@ def test_no_validation_no_best_file(tiny_models, three_images, tmp_path, capsys)
 def test_the_check_comes_by_step_50():
     assert lora_effect.check_step(8) == 2 and lora_effect.check_step(40) == 10
     assert max(lora_effect.check_step(steps) for steps in range(1, 100000, 7)) == lora_effect.CHECK_STEP_CAP == 50
+
+
+@pytest.fixture(scope="module")
+def half_representable_sdxl():
+    """The tiny SDXL in float32 with every weight rounded to float16 (so a float16 copy holds the same values)."""
+    from tools.build_tiny_models import tiny_sdxl
+
+    models = tiny_sdxl()
+    with torch.no_grad():
+        for part in (models.unet, *models.text_encoders):
+            for parameter in part.parameters():
+                parameter.copy_(parameter.half().float())
+    return models
+
+
+# GLoRA and Full broke training once (float16 base weight times float32 factors; Full takes the weight off the
+# layer): always run; every other type of the GUI's 16 with the slow tests.
+ALWAYS_MEASURED = ("lycoris glora", "lycoris full")
+
+
+@pytest.mark.parametrize("label", [label if label in ALWAYS_MEASURED else pytest.param(label, marks=pytest.mark.slow)
+                                   for label in registry.EXAMPLE_NETWORKS])
+def test_weight_change_of_every_type_on_float16_base_weights(label, half_representable_sdxl):
+    """The monitor's ||delta W|| / ||W|| of every module, on float16 base weights with float32 adapters (as
+    --mixed_precision fp16 trains), hooked in, equals the float64 merge's (``convert_to_lora.parameter_changes``
+    on the float32 model holding the same values), to float32 rounding: the merge in float32 rounds each
+    element by eps/2 of |W| (at most eps/2 on the ratio), the change's own float32 arithmetic by a few eps
+    of itself (Cayley/butterfly products of OFT and BOFT: tens of eps)."""
+    models = half_representable_sdxl
+    parts = (models.unet, *models.text_encoders)
+    module, alpha, _ = registry.EXAMPLE_NETWORKS[label]
+    torch.manual_seed(0)
+    network = registry.network_type(module).create_network(
+        1.0, 4, alpha, None, models.text_encoders, models.unet,
+        unet_module_names=checkpoint_keys.unet_module_name_map(models.unet.config),
+        **network_base.parse_network_args(registry.example_network_args(label, 4)))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a trained-looking network: every adapter changes its layer by a few percent or more
+        for parameter in network.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    expected = torch.tensor([
+        float(convert_to_lora.parameter_changes(network, lora, network.wrapped_module(lora))["weight"].norm()
+              / network.wrapped_module(lora).weight.detach().double().norm()) for lora in network.all_loras()],
+        dtype=torch.float64)
+    try:
+        for part in parts:
+            part.half()
+        network.apply_to()
+        monitor = lora_effect.EffectMonitor(argparse.Namespace(max_train_steps=8, network_weights=None), network,
+                                            is_main_process=True)
+        measured = monitor.weight_ratios().double()
+    finally:
+        for lora in network.all_loras():
+            lora.restore()
+        for part in parts:
+            part.float()
+    eps = torch.finfo(torch.float32).eps
+    assert measured.shape == expected.shape and monitor._skipped == 0
+    assert expected.min() > 1e-3  # the bound below is far from the values
+    torch.testing.assert_close(measured, expected, rtol=64 * eps, atol=eps)
 
 
 def warning_of(tiny_models, dataset, output_dir, capsys, *extra: str) -> tuple[list[str], list[dict]]:
