@@ -127,15 +127,26 @@ def test_merge_bad_input_is_one_line_exit_2(finetune_folder, tmp_path, argv, mes
     assert not out.exists()
 
 
-def test_prepare_refuses_before_loading_a_model(finetune_folder, tmp_path):
-    script = str(REPO / "finetune" / "prepare_buckets_latents.py")
-    missing = run_as_gui([sys.executable, script, str(finetune_folder), str(tmp_path / "none.json"),
-                          str(tmp_path / "out.json"), str(tmp_path / "no_model")], cwd=tmp_path, expect=2)
-    assert "in_json" in missing.stderr and "does not exist" in missing.stderr
+def test_prepare_refuses_before_loading_a_model(finetune_folder, tmp_path, capsys):
+    from finetune import prepare_buckets_latents
+    from library.errors import exit_on_user_error
+
+    def stderr_of(argv: list[str]) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            exit_on_user_error(lambda: prepare_buckets_latents.main(argv))
+        assert stopped.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    no_model = str(tmp_path / "no_model")
+    missing_json = stderr_of([str(finetune_folder), str(tmp_path / "none.json"), str(tmp_path / "out.json"), no_model])
+    assert "in_json" in missing_json and "none.json does not exist" in missing_json
     (tmp_path / "meta.json").write_text("{}", encoding="utf-8")
-    bad_size = run_as_gui([sys.executable, script, str(finetune_folder), str(tmp_path / "meta.json"),
-                           str(tmp_path / "out.json"), str(tmp_path / "no_model"), "--max_resolution", "512x512"],
-                          cwd=tmp_path, expect=2)
-    assert "--max_resolution '512x512'" in bad_size.stderr
+    assert "--max_resolution '512x512'" in stderr_of([str(finetune_folder), str(tmp_path / "meta.json"),
+                                                      str(tmp_path / "out.json"), no_model, "--max_resolution",
+                                                      "512x512"])
+    assert "model_name_or_path" in stderr_of([str(finetune_folder), str(tmp_path / "meta.json"),
+                                              str(tmp_path / "out.json"), no_model])
     assert not (tmp_path / "out.json").exists() and not list(finetune_folder.glob("*.npz"))
-    assert os.listdir(finetune_folder)

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from library.checkpoint_files import CheckpointReader
 from library.checkpoint_keys import ModelKind
 from library.datasets.buckets import BucketRule
 from library.datasets.captions import CaptionOptions
@@ -29,7 +28,8 @@ from library.datasets.images import BadImageError, probe_image
 from library.datasets.latents import cache_latents
 from library.datasets.plan import PlannedImage
 from library.errors import UserError
-from library.model_loading import detect_checkpoint_kind, load_vae, shipped_config_dir
+from library.model_loading import load_vae, shipped_config_dir
+from library.model_weights import model_kind_of
 
 MIXED_PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -43,26 +43,6 @@ def parse_max_resolution(text: str) -> tuple[int, int]:
     if width <= 0 or height <= 0:
         raise UserError(f"--max_resolution {text!r}: width and height must be positive")
     return width, height
-
-
-def model_family(model_name_or_path: str) -> ModelKind:
-    """SDXL or SD1/2 from the model's files (the cache file names differ: ``_sdxl.npz`` / ``_sd.npz``)."""
-    flag = "model_name_or_path"
-    path = Path(model_name_or_path)
-    if not path.exists():
-        raise UserError(f"{flag} {path} does not exist; give the base model (diffusers folder or .safetensors/.ckpt)")
-    kind: Optional[ModelKind] = None
-    if path.is_dir():
-        index_file = path / "model_index.json"
-        if index_file.is_file():
-            kind = "sdxl" if "text_encoder_2" in json.loads(index_file.read_text(encoding="utf-8")) else "sd1"
-    else:
-        with CheckpointReader(path, flag) as reader:
-            kind = detect_checkpoint_kind(reader.keys())
-    if kind is None:
-        raise UserError(f"{flag} {path}: not a Stable Diffusion model (a VAE alone does not say whether the latents "
-                        f"are for SDXL or SD1/2, which name the cache files); give the base model to train")
-    return kind
 
 
 def load_prepare_vae(model_name_or_path: str, kind: ModelKind, model_config_dir: Optional[str], dtype: torch.dtype):
@@ -93,7 +73,7 @@ def prepare_buckets_latents(args: argparse.Namespace) -> dict:
     images = find_images(args.train_data_dir, args.recursive)
     print(f"found {len(images)} images.")
     metadata = read_metadata(args.in_json, "in_json")
-    kind = model_family(args.model_name_or_path)
+    kind = model_kind_of(Path(args.model_name_or_path), "model_name_or_path")  # names the cache files
     rule = BucketRule(max_resolution, True, args.min_bucket_reso, args.max_bucket_reso, args.bucket_reso_steps,
                       args.bucket_no_upscale)
     if args.bucket_no_upscale:
