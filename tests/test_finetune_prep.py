@@ -150,3 +150,27 @@ def test_prepare_refuses_before_loading_a_model(finetune_folder, tmp_path, capsy
     assert "model_name_or_path" in stderr_of([str(finetune_folder), str(tmp_path / "meta.json"),
                                               str(tmp_path / "out.json"), no_model])
     assert not (tmp_path / "out.json").exists() and not list(finetune_folder.glob("*.npz"))
+
+
+@pytest.mark.slow
+def test_sd15_prepared_caches_are_sd_files_that_train_network_reuses(tiny_models, finetune_folder, tmp_path):
+    """An SD 1.x model names the caches ``_sd.npz`` (kohya's SD strategy); train_network --in_json takes them."""
+    from finetune import merge_captions_to_metadata, prepare_buckets_latents
+
+    merge_captions_to_metadata.main([str(finetune_folder), str(tmp_path / "meta_cap.json"), "--caption_extension", ".txt"])
+    prepare_buckets_latents.main([str(finetune_folder), str(tmp_path / "meta_cap.json"), str(tmp_path / "meta_lat.json"),
+                                  str(tiny_models["sd15"]), "--max_resolution", "128,128", "--min_bucket_reso", "64",
+                                  "--max_bucket_reso", "256", "--flip_aug"])
+    caches = sorted(finetune_folder.glob("*.npz"))
+    assert [cache.name for cache in caches] == [f"{stem}_{w:04d}x{h:04d}_sd.npz" for stem, (w, h) in SIZES.items()]
+    with np.load(caches[2]) as npz:  # img2: bucket 64x192, latents 24x8, flipped too
+        assert npz["latents_24x8"].shape == npz["latents_flipped_24x8"].shape == (4, 24, 8)
+    before = {cache: cache.read_bytes() for cache in caches}
+    run_trainer("train_network", [
+        "--pretrained_model_name_or_path", str(tiny_models["sd15"]), "--in_json", str(tmp_path / "meta_lat.json"),
+        "--train_data_dir", str(finetune_folder), "--resolution", "128", "--enable_bucket", "--min_bucket_reso", "64",
+        "--max_bucket_reso", "256", "--flip_aug", "--cache_latents", "--cache_latents_to_disk",
+        "--network_module", "networks.lora", "--network_dim", "2", "--network_train_unet_only", "--max_train_steps", "1",
+        "--output_dir", str(tmp_path / "out"), "--output_name", "ft", "--seed", "1"])
+    assert (tmp_path / "out" / "ft.safetensors").is_file()
+    assert {cache: cache.read_bytes() for cache in caches} == before
