@@ -8,6 +8,9 @@ kohya's ``sdxl_train.py`` with ``--in_json ... --cache_latents_to_disk`` at the 
 them instead of encoding again (ours checks image, bucket and VAE; kohya checks the latent size).
 kohya v0.11.1's own script computes the latents but no longer writes them (its ``cache_batch_latents``
 writes nothing to disk since the caching strategies), so its trainer encodes again there.
+
+Sizes are the upright sizes (EXIF orientation applied, as the trainer reads images); kohya uses the
+stored pixel size, so for an EXIF-rotated photo ``train_resolution`` can differ from kohya's.
 """
 from __future__ import annotations
 
@@ -91,7 +94,10 @@ def prepare_buckets_latents(args: argparse.Namespace) -> dict:
         except BadImageError as error:  # kohya logs it and goes on
             print(f"skipped: {error}")
             continue
-        choice = rule.select(*size)
+        try:
+            choice = rule.select(*size)
+        except UserError as error:  # an image too small or narrow for the bucket steps: name it
+            raise UserError(f"{image_path}: {error}") from None
         key = image_key(image_path, args.full_path)
         width, height = choice.bucket_wh
         metadata.setdefault(key, {})["train_resolution"] = [width - width % 8, height - height % 8]
