@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("library", "networks", "tools")
+PACKAGES = ("library", "networks", "tools", "finetune")
 
 
 def project_modules() -> dict[str, Path]:
