@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -119,6 +120,18 @@ def save_model(models: StableDiffusionModels, path: str | os.PathLike, model_for
                          global_step=global_step, source=source)
     else:
         save_diffusers_folder(models, path, dtype, safetensors=model_format.safetensors)
+
+
+def remove_model(path: str | os.PathLike) -> bool:
+    """Remove a saved model, file or folder (kohya's ``--save_last_n_*`` rotation); False when it is not there."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    else:
+        return False
+    return True
 
 
 # A folder's weight files, by (library, safetensors): what diffusers' and transformers' from_pretrained look for.

@@ -28,13 +28,14 @@ from library import atomic_files, checkpoint_files, checkpoint_keys as ck, full_
 from library import model_loading as ml
 from library.errors import DiskFull, UserError
 
-KINDS = {"sdxl": "sdxl", "sd15": "sd1"}
+KINDS = {"sdxl": "sdxl", "sd15": "sd1", "sd2": "sd2"}
 PRECISIONS = {"float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def trained(tiny_models, name: str) -> ml.StableDiffusionModels:
     """The tiny model from its single file with every floating parameter moved (as training would)."""
-    models = ml.load_models(tiny_models[f"{name}_file"], sdxl=name == "sdxl", model_config_dir=tiny_models[f"{name}_config"])
+    models = ml.load_models(tiny_models[f"{name}_file"], sdxl=name == "sdxl", v2=name == "sd2",
+                            model_config_dir=tiny_models[f"{name}_config"])
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for module in (models.unet, models.vae, *models.text_encoders):
@@ -137,7 +138,8 @@ def test_base_file_tensors_are_carried_as_kohya_carries_them(trained_models, tin
             assert set(handle.keys()) == set(state) | carried
             for key in carried:  # unchanged, not cast
                 assert torch.equal(handle.get_tensor(key), extras[key])
-        reloaded = components(ml.load_models(out, sdxl=name == "sdxl", model_config_dir=tiny_models[f"{name}_config"]))
+        reloaded = components(ml.load_models(out, sdxl=name == "sdxl", v2=name == "sd2",
+                                             model_config_dir=tiny_models[f"{name}_config"]))
         for component, model in components(models).items():
             theirs = reloaded[component].state_dict()
             assert all(torch.equal(theirs[key], value.to(torch.bfloat16).float())
@@ -223,6 +225,7 @@ def test_a_save_that_fails_leaves_the_previous_one(save_model_as, trained_models
         atomic_files.simulate_full_disk(None)
     after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
+    assert fm.remove_model(path) and not path.exists() and not fm.remove_model(path)
 
 
 def test_only_single_file_suffixes(trained_models, tmp_path):
