@@ -22,9 +22,9 @@ import argparse
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from library import atomic_files
 from library.checkpoint_files import SAVE_DTYPES, SourceCheckpoint, add_save_precision_argument, save_single_file
 from library.errors import UserError
+from library.lora_files import epoch_to_remove, step_to_remove
 from library.lora_metadata import modelspec_metadata
 from library.models import StableDiffusionModels
 
@@ -132,6 +133,60 @@ def remove_model(path: str | os.PathLike) -> bool:
     else:
         return False
     return True
+
+
+@dataclass
+class ModelSaver:
+    """Where and how a run saves its full model, as kohya's ``save_sd_model_on_epoch_end_or_stepwise`` /
+    ``save_sd_model_on_train_end``: names, ``.ckpt`` counters, metadata, and the ``--save_last_n_*`` rotation
+    (kohya's formulas, ``lora_files.step_to_remove`` / ``epoch_to_remove``). Whether a save is due is the
+    loop's decision. ``metadata`` is called at each save (kohya stamps each file with its own date)."""
+
+    output_dir: Path
+    output_name: Optional[str]
+    model_format: ModelFormat
+    dtype: Optional[torch.dtype] = None
+    metadata: Optional[Callable[[], Mapping[str, str]]] = None
+    source: SourceCheckpoint = field(default_factory=SourceCheckpoint)
+    save_every_n_epochs: Optional[int] = None
+    save_every_n_steps: Optional[int] = None
+    save_last_n_epochs: Optional[int] = None
+    save_last_n_steps: Optional[int] = None
+
+    def save_epoch(self, models: StableDiffusionModels, epoch: int, global_step: int) -> Path:
+        """The save after epoch ``epoch`` (1-based); removes the epoch save that falls out of ``--save_last_n_epochs``."""
+        path = self._save(models, epoch_model_name(self.output_name, epoch, self.model_format), epoch, global_step)
+        old = epoch_to_remove(epoch, self.save_every_n_epochs or 1, self.save_last_n_epochs)
+        if old is not None:
+            self._remove(epoch_model_name(self.output_name, old, self.model_format))
+        return path
+
+    def save_step(self, models: StableDiffusionModels, global_step: int, epoch: int) -> Path:
+        """The save at optimizer step ``global_step`` during epoch ``epoch`` (0-based, kohya's counter for these);
+        removes the step save that falls out of ``--save_last_n_steps``."""
+        path = self._save(models, step_model_name(self.output_name, global_step, self.model_format), epoch,
+                          global_step)
+        old = step_to_remove(global_step, self.save_every_n_steps or 1, self.save_last_n_steps)
+        if old is not None:
+            self._remove(step_model_name(self.output_name, old, self.model_format))
+        return path
+
+    def save_final(self, models: StableDiffusionModels, epoch: int, global_step: int) -> Path:
+        """The model at the end (``epoch``: kohya passes the last epoch's 0-based number)."""
+        return self._save(models, final_model_name(self.output_name, self.model_format), epoch, global_step)
+
+    def _save(self, models: StableDiffusionModels, name: str, epoch: int, global_step: int) -> Path:
+        path = Path(self.output_dir) / name
+        metadata = self.metadata() if self.metadata is not None else None
+        save_model(models, path, self.model_format, self.dtype, metadata=metadata, epoch=epoch,
+                   global_step=global_step, source=self.source)
+        print(f"saved {path}", flush=True)
+        return path
+
+    def _remove(self, name: str) -> None:
+        path = Path(self.output_dir) / name
+        if remove_model(path):
+            print(f"removed old model {path}", flush=True)
 
 
 # A folder's weight files, by (library, safetensors): what diffusers' and transformers' from_pretrained look for.

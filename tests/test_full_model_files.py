@@ -231,3 +231,27 @@ def test_a_save_that_fails_leaves_the_previous_one(save_model_as, trained_models
 def test_only_single_file_suffixes(trained_models, tmp_path):
     with pytest.raises(UserError, match="single files"):
         fm.save_model(trained_models["sd15"], tmp_path / "m.pt", fm.ModelFormat(True, True))
+
+
+def test_saver_names_counts_and_rotates_as_kohya(trained_models, tmp_path):
+    """Epoch saves every 2 epochs keeping 2 (kohya removes epoch E - 2*2), step saves every 3 steps keeping the
+    last 6 steps (removes S - 6 - 1 rounded down to a multiple of 3), .ckpt counters as kohya passes them."""
+    models = trained_models["sd15"]
+    saver = fm.ModelSaver(tmp_path, None, fm.ModelFormat(True, False), torch.float16,
+                          save_every_n_epochs=2, save_last_n_epochs=2, save_every_n_steps=3, save_last_n_steps=6)
+    for epoch in (2, 4, 6):
+        saver.save_epoch(models, epoch, epoch * 10)
+    for step in (3, 6, 9, 12):
+        saver.save_step(models, step, step // 5)
+    final = saver.save_final(models, 5, 60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "at-step00000006.ckpt", "at-step00000009.ckpt", "at-step00000012.ckpt",
+        "epoch-000004.ckpt", "epoch-000006.ckpt", "last.ckpt"]
+    counters = lambda name: (lambda c: (c["epoch"], c["global_step"]))(torch.load(tmp_path / name, weights_only=True))  # noqa: E731
+    assert counters("epoch-000006.ckpt") == (6, 60) and counters("at-step00000012.ckpt") == (2, 12)
+    assert counters(final.name) == (5, 60)
+    folders = fm.ModelSaver(tmp_path / "folders", "run", fm.ModelFormat(False, True), save_last_n_steps=1,
+                            save_every_n_steps=1)
+    for step in (1, 2, 3):
+        folders.save_step(models, step, 0)
+    assert sorted(p.name for p in (tmp_path / "folders").iterdir()) == ["run-step00000002", "run-step00000003"]
