@@ -44,9 +44,21 @@ def trained(tiny_models, name: str) -> ml.StableDiffusionModels:
     return models
 
 
+class TrainedModels(dict):
+    """Each kind's :func:`trained` models, loaded when first asked for (a -k selection loads only what it uses)."""
+
+    def __init__(self, tiny_models):
+        super().__init__()
+        self.tiny_models = tiny_models
+
+    def __missing__(self, name: str) -> ml.StableDiffusionModels:
+        self[name] = trained(self.tiny_models, name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def trained_models(tiny_models):
-    return {name: trained(tiny_models, name) for name in KINDS}
+    return TrainedModels(tiny_models)
 
 
 def components(models) -> dict[str, torch.nn.Module]:
