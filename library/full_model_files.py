@@ -116,6 +116,9 @@ def save_model(models: StableDiffusionModels, path: str | os.PathLike, model_for
     only; kohya passes the 1-based epoch at an epoch end, the 0-based current epoch at a step save and at
     the end) and the base file's ``source`` tensors and counters. Folders: see :func:`save_diffusers_folder`.
     """
+    if models.vae is None or len(models.text_encoders) != (2 if models.is_sdxl else 1):
+        # a programming error: a full fine-tune keeps the VAE and text encoders (on the CPU) to save them, as kohya
+        raise ValueError("a full model is saved with its VAE and text encoders; the trainer freed them")
     if model_format.single_file:
         save_single_file(models, path, dtype, metadata if model_format.safetensors else None, epoch=epoch,
                          global_step=global_step, source=source)

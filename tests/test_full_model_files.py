@@ -240,9 +240,15 @@ def test_a_save_that_fails_leaves_the_previous_one(save_model_as, trained_models
     assert fm.remove_model(path) and not path.exists() and not fm.remove_model(path)
 
 
-def test_only_single_file_suffixes(trained_models, tmp_path):
+def test_only_single_file_suffixes_and_whole_models(trained_models, tmp_path):
     with pytest.raises(UserError, match="single files"):
         fm.save_model(trained_models["sd15"], tmp_path / "m.pt", fm.ModelFormat(True, True))
+    import dataclasses
+
+    without_vae = dataclasses.replace(trained_models["sd15"], vae=None)
+    with pytest.raises(ValueError, match="VAE and text encoders"):
+        fm.save_model(without_vae, tmp_path / "m.safetensors", fm.ModelFormat(True, True))
+    assert not list(tmp_path.iterdir())
 
 
 def test_saver_names_counts_and_rotates_as_kohya(trained_models, tmp_path):
