@@ -102,27 +102,43 @@ def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
 
 def write_folder(path: str | os.PathLike, files: Mapping[str, bytes],
                  before_rename: Optional[Callable[[Path], None]] = None) -> None:
-    """Replace the folder ``path`` by one holding ``files`` (name -> bytes), atomically and durably.
-
-    The files are written and fsynced in a temporary folder, which is fsynced and renamed into place;
-    an existing folder of that name is moved aside first and removed once the new one is in place.
-    ``before_rename(temporary)`` runs when the temporary folder is complete (kill tests die there).
-    ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room.
+    """Replace the folder ``path`` by one holding ``files`` (name -> bytes), atomically and durably
+    (see :func:`writing_folder`). ``before_rename(temporary)`` runs when the temporary folder is complete
+    (kill tests die there). ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_path(path)
-    with no_space_is_disk_full(path, sum(len(data) for data in files.values())), \
-            _removed_on_error(temporary):
-        if temporary.exists():
-            shutil.rmtree(temporary)
-        temporary.mkdir()
+    with _writing_folder(path, sum(len(data) for data in files.values()), files_synced=True) as temporary:
         for name, data in files.items():
             with open(temporary / name, "wb", buffering=0) as file:
                 _write_durably(file, data)
-        fsync_folder(temporary)
         if before_rename is not None:
             before_rename(temporary)
+
+
+@contextlib.contextmanager
+def writing_folder(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
+    """For writers that fill a folder themselves (a diffusers model folder): yields an empty temporary
+    folder beside ``path``; when the block ends every file in it (subfolders too) and every folder is
+    fsynced, and it replaces ``path`` atomically: an existing folder of that name is moved aside first and
+    removed once the new one is in place. On an error the temporary is removed and ``path`` is untouched.
+    ``needed_bytes`` is what the message says the folder needs when the disk is full (``DiskFull``).
+    """
+    with _writing_folder(path, needed_bytes, files_synced=False) as temporary:
+        yield temporary
+
+
+@contextlib.contextmanager
+def _writing_folder(path: str | os.PathLike, needed_bytes: int, files_synced: bool) -> Iterator[Path]:
+    """:func:`writing_folder`; ``files_synced``: the block wrote its files through this module (counted
+    against the simulated disk and fsynced already), so only the folders are left to sync."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    with no_space_is_disk_full(path, needed_bytes), _removed_on_error(temporary):
+        if temporary.exists():
+            shutil.rmtree(temporary)
+        temporary.mkdir()
+        yield temporary
+        _sync_tree(temporary, files=not files_synced)
         if path.exists():  # e.g. the same save point written again after a resume
             stale = path.with_name(f".{path.name}.old{os.getpid()}")
             os.replace(path, stale)
@@ -135,6 +151,23 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, bytes],
         else:
             os.replace(temporary, path)
         fsync_folder(path.parent)
+
+
+def _sync_tree(folder: Path, files: bool) -> None:
+    """fsync every folder under ``folder``, deepest first; with ``files``, every file before (each counted
+    against the simulated disk first)."""
+    folders = []
+    for root, _, names in os.walk(folder):
+        folders.append(Path(root))
+        for name in names if files else ():
+            file_path = Path(root) / name
+            size = file_path.stat().st_size
+            if _spend(size) < size:  # the simulated disk (a real one failed while the block wrote)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file_path))
+            with open(file_path, "rb+") as file:
+                os.fsync(file.fileno())
+    for each in reversed(folders):
+        fsync_folder(each)
 
 
 def append_to_file(path: str | os.PathLike, data: bytes | str) -> None:

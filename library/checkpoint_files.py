@@ -6,12 +6,14 @@ the original (kohya/A1111) layout through ``library.checkpoint_keys``.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -162,19 +164,75 @@ def load_pickled_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 """What :func:`save_single_file` writes (kohya's merge and fine-tuning scripts write both)."""
 
+SAVE_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {
+    None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""``--save_precision`` -> the dtype floating tensors are saved in (None: as they are in memory)."""
 
-def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                     metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``models`` as one original-layout ``.safetensors`` file, or a ``.ckpt`` as kohya writes one
-    (``torch.save`` of ``{"state_dict": ..., "epoch": 0, "global_step": 0}``; no metadata), atomically.
 
-    ``dtype`` casts floating tensors (default: keep). The file is written to a
-    temporary name in the same folder and renamed over ``path`` (``library.atomic_files``),
-    so readers never see a partial file.
+def add_save_precision_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """kohya's ``--save_precision`` (one definition for the trainers; ``what``: what is saved)."""
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help=f"dtype of the saved {what} (default: the training dtype: float32, or fp16/bf16 with "
+                             f"--full_fp16/--full_bf16)")
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """What kohya carries from the base model's single file into a checkpoint it writes.
+
+    ``extra_tensors``: original-layout tensors the models have no place for (SD 1.x/2.x: all of
+    them, e.g. EMA weights, noise-schedule buffers, SD2's unused last text layer; SDXL: only
+    OpenCLIP's ``logit_scale``), written unchanged (not cast); ``epoch`` / ``global_step``: the
+    counters of a ``.ckpt`` base, added to the run's in a ``.ckpt`` output.
     """
+
+    extra_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    epoch: int = 0
+    global_step: int = 0
+
+
+SDXL_CARRIED_KEYS = (ck.SDXL_OPEN_CLIP_PREFIX + "logit_scale",)
+"""What kohya's SDXL saver keeps of the base file (sdxl_model_util: ``logit_scale`` only)."""
+
+
+def read_source_checkpoint(path: str | os.PathLike, models: StableDiffusionModels,
+                           flag: str = "--pretrained_model_name_or_path") -> SourceCheckpoint:
+    """The :class:`SourceCheckpoint` of the base model ``path`` for ``models`` (loaded from it); an
+    empty one for a diffusers folder (kohya then writes only the models' tensors)."""
     path = Path(path)
-    if path.suffix not in SINGLE_FILE_SUFFIXES:
-        raise UserError(f"{path}: single files are written as {' or '.join(SINGLE_FILE_SUFFIXES)} only")
+    if path.is_dir():
+        return SourceCheckpoint()
+    maps = ck.checkpoint_key_maps(models.kind, models.unet, models.vae, models.text_encoders)
+    mapped = {rule.original for _, key_map in maps.values() for rule in key_map.rules}
+    with CheckpointReader(path, flag) as reader:
+        if models.kind == "sdxl":
+            keys = [key for key in SDXL_CARRIED_KEYS if key in set(reader.keys())]
+        else:
+            keys = [key for key in reader.keys() if key not in mapped]
+        extra = {key: reader.get(key) for key in keys}
+    counters = _ckpt_counters(path) if not is_safetensors(path) else {}
+    return SourceCheckpoint(extra, **counters)
+
+
+def _ckpt_counters(path: Path) -> dict[str, int]:
+    """``epoch`` / ``global_step`` of a ``torch.save`` checkpoint when they are integers (kohya: "sometimes not int")."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError):
+        return {}
+    counters = {}
+    if isinstance(checkpoint, dict):
+        for name in ("epoch", "global_step"):
+            value = checkpoint.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                counters[name] = value
+    return counters
+
+
+def original_layout_tensors(models: StableDiffusionModels, dtype: torch.dtype | None = None
+                            ) -> dict[str, torch.Tensor]:
+    """Every tensor of ``models`` under its original (single-file) name, floating ones cast to ``dtype``
+    (default: as they are; uncast tensors are the models' own, not copies)."""
     tensors: dict[str, torch.Tensor] = {}
     maps = ck.checkpoint_key_maps(models.kind, models.unet, models.vae, models.text_encoders)
     for model, key_map in maps.values():
@@ -184,10 +242,32 @@ def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dty
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
             tensors[rule.original] = tensor.contiguous()
+    return tensors
+
+
+def save_single_file(models: StableDiffusionModels, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                     metadata: Mapping[str, str] | None = None, *, epoch: int = 0, global_step: int = 0,
+                     source: SourceCheckpoint | None = None) -> None:
+    """Write ``models`` as one original-layout file, atomically, as kohya's savers do
+    (``model_util`` / ``sdxl_model_util.save_stable_diffusion_checkpoint``).
+
+    ``.safetensors``: the tensors and ``metadata``. ``.ckpt``: ``torch.save`` of ``{"state_dict": ...,
+    "epoch": ..., "global_step": ...}`` (no metadata), the counters ``epoch`` / ``global_step`` plus the
+    base file's (``source``). ``dtype`` casts the models' floating tensors (default: keep); the
+    ``source``'s extra tensors are added unchanged. The file is written to a temporary name in the same
+    folder and renamed over ``path`` (``library.atomic_files``), so readers never see a partial file.
+    """
+    path = Path(path)
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise UserError(f"{path}: single files are written as {' or '.join(SINGLE_FILE_SUFFIXES)} only")
+    source = source or SourceCheckpoint()
+    tensors = dict(source.extra_tensors)
+    tensors.update(original_layout_tensors(models, dtype))
     if path.suffix == ".ckpt":
         needed = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         with atomic_files.writing_file(path, needed) as temporary:
-            torch.save({"state_dict": tensors, "epoch": 0, "global_step": 0}, temporary)
+            torch.save({"state_dict": tensors, "epoch": epoch + source.epoch,
+                        "global_step": global_step + source.global_step}, temporary)
         return
     atomic_save_safetensors(tensors, path, metadata)
 

@@ -8,13 +8,13 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from library import atomic_files
+from library.checkpoint_files import SAVE_DTYPES, add_save_precision_argument
 from library.ema import LoraEma, raw_file_name
 from library.errors import UserError
 from library.lora_metadata import addnet_hashes
 from networks.lora import LoRANetwork, save_lora_file
 from networks.network_base import find_non_finite
 
-SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
                         help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
                              "torch.save state dict without metadata, as kohya writes them")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="dtype of saved weights (default: the training dtype: float32, or fp16/bf16 with "
-                             "--full_fp16/--full_bf16)")
+    add_save_precision_argument(parser, "LoRA weights")
     parser.add_argument("--save_every_n_epochs", type=int, default=None, help="also save a LoRA every N epochs")
     parser.add_argument("--save_every_n_steps", type=int, default=None, help="also save a LoRA every N optimizer steps")
     parser.add_argument("--save_n_epoch_ratio", type=int, default=None,

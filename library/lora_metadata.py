@@ -245,17 +245,20 @@ def _data_url(path: str) -> str:
 
 
 def modelspec_metadata(
-    args: argparse.Namespace, model_kind: str, resolution_hw: tuple[int, int], timestamp: float
+    args: argparse.Namespace, model_kind: str, resolution_hw: tuple[int, int], timestamp: float,
+    adapter: str | None = "lora",
 ) -> dict[str, str]:
-    """Stability AI's model spec keys for a LoRA of ``model_kind``."""
+    """Stability AI's model spec keys for a LoRA of ``model_kind`` (``adapter=None``: for a whole
+    checkpoint, as kohya's fine-tuning scripts write them: the architecture without ``/lora``)."""
     architecture = ARCHITECTURES[model_kind]
     if model_kind == "sd2" and args.v_parameterization:
         architecture = "stable-diffusion-v2-768-v"
     metadata = {
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": f"{architecture}/lora",
+        "modelspec.architecture": f"{architecture}/{adapter}" if adapter else architecture,
         "modelspec.implementation": IMPLEMENTATION,
-        "modelspec.title": args.output_name,
+        # kohya's title without --output_name: "LoRA@<timestamp>" / "Checkpoint@<timestamp>"
+        "modelspec.title": args.output_name or f"{'LoRA' if adapter else 'Checkpoint'}@{timestamp}",
         "modelspec.resolution": f"{resolution_hw[1]}x{resolution_hw[0]}",
         "modelspec.date": datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if args.v_parameterization else "epsilon",

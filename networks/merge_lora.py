@@ -14,7 +14,11 @@ any type of ``networks.registry`` (LoRA, LoCon, DyLoRA, LoRA-FA, LoHa, LoKr, OFT
 type from its ``ss_network_module``, else its tensor names): its network is rebuilt on the model
 by the trainers' own key naming and every module's merged weight (``W + ratio * delta`` in
 float32; OFT: the rotated ``W``) replaces the wrapped weight, file after file; the result is
-written with ``save_single_file`` in the original layout. Every module of every file must match
+written as a trained full model is (``library.full_model_files.save_model``, kohya's
+``save_stable_diffusion_checkpoint``): the original layout, the base file's tensors the model has
+no place for (SD 1.x/2.x: all, e.g. EMA weights; SDXL: ``logit_scale``) and, for a ``.ckpt``, its
+epoch/step counters carried over; a ``.safetensors`` gets the model spec metadata of a checkpoint
+(title: the output's name; ``modelspec.merged_from``: the base model and the LoRAs) unless ``--no_metadata``. Every module of every file must match
 a module of the model (otherwise: an error naming the module); a file whose module names are of
 the other model family (SD 1.x vs SDXL) is refused before the model is loaded. ``--lbws`` multiplies
 each module's ratio by its block's weight (``networks/lora_block_weights.py``; kohya's sdxl_merge_lora
@@ -53,9 +57,9 @@ from typing import Mapping, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from library import checkpoint_files, checkpoint_keys, model_loading  # noqa: E402
+from library import checkpoint_files, checkpoint_keys, full_model_files, model_loading  # noqa: E402
+from library.checkpoint_files import SAVE_DTYPES  # noqa: E402
 from library.errors import UserError, exit_on_user_error  # noqa: E402
-from library.lora_files import SAVE_DTYPES  # noqa: E402
 from library.lora_metadata import BASE_MODEL_VERSIONS, addnet_hashes, modelspec_metadata  # noqa: E402
 from library.tool_paths import check_output_path  # noqa: E402
 from library.models import StableDiffusionModels  # noqa: E402
@@ -88,7 +92,8 @@ def setup_parser(prog: str = "merge_lora.py") -> argparse.ArgumentParser:
                         help="LoRAs into one LoRA: permute each module's rank components (seeded; the result's "
                              "deltas are unchanged)")
     parser.add_argument("--no_metadata", action="store_true",
-                        help="LoRA output: write only the minimal ss_* keys, no model spec metadata")
+                        help="LoRA output: write only the minimal ss_* keys, no model spec metadata; model output: "
+                             "no metadata")
     return parser
 
 
@@ -244,12 +249,26 @@ def lora_output_metadata(paths: Sequence[str], merged: Mapping[str, torch.Tensor
         kind = versions.get(metadata.get("ss_base_model_version", ""))
         if kind is None:
             kind = "sdxl" if lora_block_weights.is_sdxl_lora([key.partition(".")[0] for key in merged]) else "sd1"
-        titles = [source.get("modelspec.title") or Path(path).stem for path, source in zip(paths, sources)]
         naming = argparse.Namespace(v_parameterization=False, output_name=Path(save_to).stem,
-                                    metadata_merged_from=", ".join(titles))
+                                    metadata_merged_from=merged_from(paths))
         size = 1024 if kind == "sdxl" else 512
         metadata.update(modelspec_metadata(naming, kind, (size, size), time.time()))
     return metadata
+
+
+def merged_from(paths: Sequence[str]) -> str:
+    """kohya's ``modelspec.merged_from``: each input's ``modelspec.title``, else its file name without extension."""
+    titles = [read_lora_metadata(path).get("modelspec.title") or Path(path).stem for path in paths]
+    return ", ".join(titles)
+
+
+def model_output_metadata(kind: str, sd_model: str, paths: Sequence[str], save_to: str) -> dict[str, str]:
+    """kohya's metadata of a merged model: a checkpoint's model spec keys (``merged_from`` the base model and
+    the LoRAs; default resolution of the kind; SD2 marked v-prediction, as kohya does, not knowing the base)."""
+    naming = argparse.Namespace(v_parameterization=kind == "sd2", output_name=Path(save_to).stem,
+                                metadata_merged_from=merged_from([sd_model, *paths]))
+    size = {"sdxl": 1024, "sd2": 768, "sd1": 512}[kind]
+    return full_model_files.checkpoint_metadata(naming, kind, (size, size), time.time())
 
 
 def check_ratios(ratios: Sequence[float]) -> None:
@@ -312,7 +331,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "merge_lora.py") -> None
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise UserError(f"the merged model holds NaN/Inf in {bad}; check --models/--ratios")
-    checkpoint_files.save_single_file(models, args.save_to, dtype=save_dtype)
+    source = checkpoint_files.read_source_checkpoint(args.sd_model, models, "--sd_model")
+    metadata = None if args.no_metadata else model_output_metadata(kind, args.sd_model, args.models, args.save_to)
+    model_format = full_model_files.ModelFormat(single_file=True, safetensors=checkpoint_files.is_safetensors(args.save_to))
+    full_model_files.save_model(models, args.save_to, model_format, save_dtype, metadata=metadata, source=source)
     print(f"saved {args.save_to}: {changed} module weights changed ({models.kind}, {len(args.models)} networks)")
 
 

@@ -215,3 +215,28 @@ def test_merge_into_a_ckpt_as_kohya_writes_it(lora_files, tiny_models, tmp_path)
     assert set(from_ckpt) == set(expected)
     for key, value in expected.items():
         assert torch.equal(from_ckpt[key], value), key
+
+
+def test_merged_model_is_saved_as_kohya_saves_a_checkpoint(lora_files, tiny_models, tmp_path):
+    """kohya's save_stable_diffusion_checkpoint through library.full_model_files: a checkpoint's model spec
+    (merged_from: the base's title and the LoRA's file name), the base file's logit_scale carried (SDXL);
+    --no_metadata writes none."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    logit_scale = checkpoint_keys.SDXL_OPEN_CLIP_PREFIX + "logit_scale"
+    base = tmp_path / "base.safetensors"
+    save_file({**load_file(str(tiny_models["sdxl_file"])), logit_scale: torch.tensor(4.6052)}, str(base),
+              {"modelspec.title": "Base"})
+    for extra, out in (([], tmp_path / "merged.safetensors"), (["--no_metadata"], tmp_path / "bare.safetensors")):
+        merge_lora.main(["--sd_model", str(base), "--model_config_dir", str(tiny_models["sdxl_config"]),
+                         "--save_to", str(out), "--models", str(lora_files["sdxl_0"]), *extra])
+        with safe_open(str(out), framework="pt") as handle:
+            assert torch.equal(handle.get_tensor(logit_scale), torch.tensor(4.6052))
+            metadata = handle.metadata() or {}
+        if extra:
+            assert metadata == {}
+            continue
+        assert metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base"
+        assert (metadata["modelspec.title"], metadata["modelspec.merged_from"]) == ("merged", "Base, sdxl_0")
+        assert metadata["modelspec.resolution"] == "1024x1024" and not any(k.startswith("ss_") for k in metadata)
