@@ -23,25 +23,31 @@ class Trainable(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Its own options (one argparse definition each)."""
 
-    def parts(self, args: argparse.Namespace) -> tuple[bool, bool]:
+    def validate_arguments(self, args: argparse.Namespace, sdxl: bool) -> None:
+        """Refuse bad values of its options (``UserError``) before anything is loaded."""
+
+    def configure(self, args: argparse.Namespace) -> None:
+        """Resolve its options once into its own typed config (after presets and aliases); the hooks
+        below read that config, not the namespace."""
+
+    def parts(self) -> tuple[bool, bool]:
         """Which models it trains: (the UNet, the text encoders). The core switches gradient
         checkpointing, ``torch.compile`` and gradient recording on for those."""
 
-    def attach(self, args: argparse.Namespace, models: StableDiffusionModels,
-               unet_module_names: Optional[dict[str, str]]) -> None:
+    def attach(self, models: StableDiffusionModels, unet_module_names: Optional[dict[str, str]]) -> None:
         """Create what trains on ``models`` (before they are placed on the device); raise
         ``UserError`` when nothing would train."""
 
-    def place(self, args: argparse.Namespace, device: torch.device, autocast_dtype: torch.dtype) -> None:
+    def place(self, device: torch.device, autocast_dtype: torch.dtype) -> None:
         """Move what trains to the device in its training dtype (``--full_fp16`` / ``--full_bf16``)."""
 
-    def records_text_encoder_gradients(self, train_text_encoder: bool) -> bool:
+    def records_text_encoder_gradients(self) -> bool:
         """Whether the text encoders' forward must record gradients."""
 
-    def param_groups(self, args: argparse.Namespace) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's parameter groups with their learning rates (``UserError`` when none trains)."""
 
-    def after_optimizer_step(self, args: argparse.Namespace) -> dict[str, float]:
+    def after_optimizer_step(self) -> dict[str, float]:
         """Work after a real optimizer step (e.g. max-norm regularisation); the scalars it logs."""
 
     def weights_finite(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -142,12 +143,45 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         model_loading.check_model_paths(args, sdxl=sdxl)
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """The LoRA trainable's options, resolved once (``from_args``) after they were checked."""
+
+    network_module: str
+    network_dim: Optional[int]
+    network_alpha: float
+    network_dropout: Optional[float]
+    network_args: dict[str, str]  # --network_args parsed (key=value)
+    network_weights: Optional[str]  # continue from this LoRA file
+    dim_from_weights: bool
+    scale_weight_norms: Optional[float]  # max-norm regularisation (None/0: off)
+    train_unet: bool
+    train_text_encoder: bool
+    learning_rate: float
+    unet_lr: Optional[float]
+    text_encoder_lr: Optional[list[float]]
+    full_precision: bool  # --full_fp16/--full_bf16: the LoRA itself in the autocast dtype
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LoraConfig":
+        return cls(
+            network_module=args.network_module, network_dim=args.network_dim, network_alpha=args.network_alpha,
+            network_dropout=args.network_dropout, network_args=network_base.parse_network_args(args.network_args),
+            network_weights=args.network_weights, dim_from_weights=args.dim_from_weights,
+            scale_weight_norms=args.scale_weight_norms, train_unet=not args.network_train_text_encoder_only,
+            train_text_encoder=not args.network_train_unet_only, learning_rate=args.learning_rate,
+            unet_lr=args.unet_lr, text_encoder_lr=args.text_encoder_lr,
+            full_precision=bool(args.full_fp16 or args.full_bf16),
+        )
+
+
 class LoraTrainable:
     """A LoRA network trained on the family's models (see ``library.trainables.base.Trainable``)."""
 
     kind = "LoRA"
 
     def __init__(self) -> None:
+        self.config: Optional[LoraConfig] = None  # set by ``configure``
         self.module: Optional[network_base.AdapterNetwork] = None
         self.effect: Optional[lora_effect.EffectMonitor] = None  # what the LoRA changes; "does nothing"
 
@@ -161,64 +195,42 @@ class LoraTrainable:
     def validate_arguments(self, args: argparse.Namespace, sdxl: bool) -> None:
         validate_arguments(args, sdxl)
 
-    def parts(self, args: argparse.Namespace) -> tuple[bool, bool]:
-        return not args.network_train_text_encoder_only, not args.network_train_unet_only
+    def configure(self, args: argparse.Namespace) -> None:
+        self.config = LoraConfig.from_args(args)
+
+    def parts(self) -> tuple[bool, bool]:
+        return self.config.train_unet, self.config.train_text_encoder
 
     # -- building ----------------------------------------------------------------------------
-    def attach(self, args: argparse.Namespace, models: StableDiffusionModels,
-               unet_module_names: Optional[dict[str, str]]) -> None:
+    def attach(self, models: StableDiffusionModels, unet_module_names: Optional[dict[str, str]]) -> None:
         """The network created and applied to the parts being trained, ``--network_weights`` loaded."""
-        network = self.create_network(args, models, unet_module_names)
-        train_unet, train_text_encoder = self.parts(args)
-        network.apply_to(apply_text_encoder=train_text_encoder, apply_unet=train_unet)
+        config = self.config
+        network = create_network(config, models, unet_module_names)
+        network.apply_to(apply_text_encoder=config.train_text_encoder, apply_unet=config.train_unet)
         if not network.all_loras():
-            raise UserError(f"--network_module {args.network_module}: no modules in the parts being trained (it has "
-                            f"no text encoder modules, or --network_args excluded them all)")
-        if args.network_weights and not args.dim_from_weights:
-            network.load_weights(args.network_weights)
-        if args.scale_weight_norms and not network.supports_max_norm():
+            raise UserError(f"--network_module {config.network_module}: no modules in the parts being trained (it "
+                            f"has no text encoder modules, or --network_args excluded them all)")
+        if config.network_weights and not config.dim_from_weights:
+            network.load_weights(config.network_weights)
+        if config.scale_weight_norms and not network.supports_max_norm():
             raise UserError(f"--scale_weight_norms: {network.network_module} does not support max-norm "
                             f"regularisation; remove the option")
         self.module = network
 
-    @staticmethod
-    def create_network(args: argparse.Namespace, models: StableDiffusionModels,
-                       module_names: Optional[dict[str, str]]) -> network_base.AdapterNetwork:
-        """The ``--network_module`` type's network for these models (from ``--network_weights`` with
-        ``--dim_from_weights``); not yet applied."""
-        network_type = registry.network_type(args.network_module)
-        network_args = network_base.parse_network_args(args.network_args)
-        if args.dim_from_weights:
-            weights = network_base.read_lora_file(args.network_weights)
-            network = network_type.create_network_from_weights(1.0, weights, models.text_encoders, models.unet,
-                                                               module_names, **network_args)
-            network.load_weights(args.network_weights)
-            return network
-        return network_type.create_network(
-            1.0,
-            args.network_dim,
-            args.network_alpha,
-            models.vae,
-            models.text_encoders,
-            models.unet,
-            neuron_dropout=args.network_dropout,
-            unet_module_names=module_names,
-            **network_args,
-        )
-
-    def place(self, args: argparse.Namespace, device: torch.device, autocast_dtype: torch.dtype) -> None:
+    def place(self, device: torch.device, autocast_dtype: torch.dtype) -> None:
         # kohya's --full_fp16/--full_bf16: the LoRA itself in the autocast dtype (no float32 master copy).
-        self.module.to(device, dtype=autocast_dtype if args.full_fp16 or args.full_bf16 else None)
+        self.module.to(device, dtype=autocast_dtype if self.config.full_precision else None)
 
-    def records_text_encoder_gradients(self, train_text_encoder: bool) -> bool:
+    def records_text_encoder_gradients(self) -> bool:
         # a text encoder whose LoRA has learning rate 0 runs without recording gradients
-        return train_text_encoder and any(p.requires_grad for module in self.module.text_encoder_loras
-                                          for p in module.parameters())
+        return self.config.train_text_encoder and any(p.requires_grad for module in self.module.text_encoder_loras
+                                                      for p in module.parameters())
 
-    def param_groups(self, args: argparse.Namespace) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:
+        config = self.config
         param_groups = self.module.prepare_optimizer_params(
-            args.text_encoder_lr, args.unet_lr, args.learning_rate,
-            network_base.loraplus_ratios(network_base.parse_network_args(args.network_args)))
+            config.text_encoder_lr, config.unet_lr, config.learning_rate,
+            network_base.loraplus_ratios(config.network_args))
         if not param_groups:  # e.g. more --text_encoder_lr values than encoders, the used ones 0
             raise UserError(NOTHING_TO_TRAIN)
         return param_groups
@@ -237,7 +249,7 @@ class LoraTrainable:
             "num_epochs": data.num_epochs,
             "optimizer": optimization.optimizer_name + (f"({optimization.optimizer_args})"
                                                         if optimization.optimizer_args else ""),
-            "network_args": network_base.parse_network_args(args.network_args),
+            "network_args": self.config.network_args,
             "total_batch_size": args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
         })
 
@@ -245,7 +257,7 @@ class LoraTrainable:
                current_metadata: Any, resumed: bool) -> lora_files.LoraWriter:
         writer = lora_files.LoraWriter(args, metadata, ema_average, current_metadata=current_metadata)
         # trained weights (a resumed state, --network_weights) may be saved before this run's first step
-        writer.trained = resumed or bool(args.network_weights)
+        writer.trained = resumed or bool(self.config.network_weights)
         return writer
 
     def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
@@ -253,11 +265,11 @@ class LoraTrainable:
         self.effect = lora_effect.EffectMonitor(args, self.module, is_main_process)
 
     # -- during the run ------------------------------------------------------------------------
-    def after_optimizer_step(self, args: argparse.Namespace) -> dict[str, float]:
+    def after_optimizer_step(self) -> dict[str, float]:
         """``--scale_weight_norms``: kohya's max-norm regularisation and its scalars."""
-        if not args.scale_weight_norms:
+        if not self.config.scale_weight_norms:
             return {}
-        return max_norm_scalars(self.module.apply_max_norm_regularization(args.scale_weight_norms))
+        return max_norm_scalars(self.module.apply_max_norm_regularization(self.config.scale_weight_norms))
 
     def weights_finite(self) -> bool:
         """Whether every trainable weight is finite (a host sync: only on the non-finite-loss path)."""
@@ -279,6 +291,30 @@ class LoraTrainable:
 
     def weights_for_report(self) -> dict[str, torch.Tensor]:
         return self.module.lora_state_dict()
+
+
+def create_network(config: LoraConfig, models: StableDiffusionModels,
+                   module_names: Optional[dict[str, str]]) -> network_base.AdapterNetwork:
+    """The ``--network_module`` type's network for these models (from ``--network_weights`` with
+    ``--dim_from_weights``); not yet applied."""
+    network_type = registry.network_type(config.network_module)
+    if config.dim_from_weights:
+        weights = network_base.read_lora_file(config.network_weights)
+        network = network_type.create_network_from_weights(1.0, weights, models.text_encoders, models.unet,
+                                                           module_names, **config.network_args)
+        network.load_weights(config.network_weights)
+        return network
+    return network_type.create_network(
+        1.0,
+        config.network_dim,
+        config.network_alpha,
+        models.vae,
+        models.text_encoders,
+        models.unet,
+        neuron_dropout=config.network_dropout,
+        unet_module_names=module_names,
+        **config.network_args,
+    )
 
 
 def max_norm_scalars(stats: network_base.MaxNormStats) -> dict[str, float]:

@@ -56,6 +56,7 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
     after ``--debug_dataset`` has printed the batches."""
     family, trainable = trainer.family, trainer.trainable
     accelerator = resolve_options(trainer, args, explicit)
+    trainable.configure(args)  # its options, final now (aliases, presets applied)
     resume_from = train_state.find_resume_state(args, accelerator.num_processes, family.is_sdxl)  # before any model load
     data = build_data(args, accelerator, family.min_bucket_steps)
     if data is None:
@@ -146,10 +147,10 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
         merge_lora.merge_base_weights(models, args.base_weights, args.base_weights_multiplier)
     fp8_base.store_frozen_weights(args, models, autocast_dtype)  # before the network wraps the layers
     noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
-    trainable.attach(args, models, trainer.unet_module_names(models))
-    train_unet, train_text_encoder = trainable.parts(args)
+    trainable.attach(models, trainer.unet_module_names(models))
+    train_unet, train_text_encoder = trainable.parts()
     place_models(args, models, device, autocast_dtype)
-    trainable.place(args, device, autocast_dtype)
+    trainable.place(device, autocast_dtype)
     dataset_caching.cache_before_training(args, data.dataset, models, accelerator, autocast_dtype,
                                           data.validation_dataset)
     if args.gradient_checkpointing:
@@ -158,7 +159,7 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
         args, torch_compile.compiled_for_training(args, models, train_unet, train_text_encoder), noise_scheduler,
         noise.NoiseOptions.from_args(args), losses.LossOptions.from_args(args),
         torch.autocast(device.type, dtype=autocast_dtype, enabled=args.mixed_precision != "no"),
-        trainable.records_text_encoder_gradients(train_text_encoder),
+        trainable.records_text_encoder_gradients(),
         device,
         check_inputs=args.quarantine_bad_samples,
         debiased=debiased_loss.create(args, trainable.module, device, data.steps_per_epoch),
@@ -169,7 +170,7 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
 def build_optimization(args: argparse.Namespace, accelerator: Accelerator, trainable: Trainable,
                        data: TrainingData) -> Optimization:
     """The trainable's parameter groups, optimizer, schedule, loss scaler, guard, healing and EMA."""
-    param_groups = trainable.param_groups(args)
+    param_groups = trainable.param_groups()
     trainable_params = [p for group in param_groups for p in group["params"]]
     gradients = flat_gradients.FlatGradients(trainable_params)  # each step's .grad views of one buffer
     optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)

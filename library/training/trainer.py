@@ -120,7 +120,7 @@ class Trainer:
         else:
             self.optimizer_step(run.config, optimization.optimizer, optimization.lr_scheduler, scaler,
                                 optimization.trainable_params, measured.loss)
-            after_step_logs = run.trainable.after_optimizer_step(run.args)
+            after_step_logs = run.trainable.after_optimizer_step()
         stepped = not decision.skip and verdict.train and not (scaler is not None and scaler.last_step_skipped)
         if stepped and optimization.ema is not None:  # a skipped step leaves the average as it is
             optimization.ema.after_optimizer_step()
