@@ -18,6 +18,7 @@ from conftest import REPO, SCRIPT_ENV, model_args
 import library.training.trainer
 import sdxl_train_network
 import train_network
+from library.trainables.base import Trainable
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ def test_the_entry_scripts_are_the_core_with_a_family_and_a_trainable():
         assert isinstance(trainer, library.training.trainer.Trainer)
         assert type(trainer).train is library.training.trainer.Trainer.train  # no copy of the loop
     assert sdxl_train_network.SdxlNetworkTrainer().is_sdxl and not train_network.NetworkTrainer().is_sdxl
+
+
+def test_every_trainable_has_every_hook_the_core_calls():
+    hooks = {name for name, value in vars(Trainable).items() if callable(value) and not name.startswith("_")}
+    assert {"attach", "param_groups", "writer", "weights_finite"} <= hooks
+    for trainer in (train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer()):
+        missing = {name for name in hooks if not callable(getattr(trainer.trainable, name, None))}
+        assert not missing, f"{type(trainer.trainable).__name__} lacks {sorted(missing)}"
+        assert isinstance(trainer.trainable.kind, str) and hasattr(trainer.trainable, "module")
 
 
 def run_script(script: str, argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:

@@ -57,7 +57,7 @@ class Trainable(Protocol):
                  data: Any, optimization: Any, progress: Any) -> dict[str, str]:
         """The metadata every file of the run carries (main process only)."""
 
-    def writer(self, args: argparse.Namespace, metadata: dict[str, str], ema: Any, current_metadata: Any,
+    def writer(self, args: argparse.Namespace, metadata: dict[str, str], ema_average: Any, current_metadata: Any,
                resumed: bool) -> Any:
         """Its files' writer: ``on_step``, ``on_epoch_end``, ``write``, ``mark_abandoned``, ``written``,
         ``save_dtype`` and ``trained`` (whether the weights are worth a state or a file yet: set when
