@@ -1,0 +1,80 @@
+"""``Trainable``: what the training core (``library.training``) asks of the thing that trains.
+
+The core owns the loop, the guard, the scaler, healing, EMA, states and outputs; a trainable says
+which tensors train and how (parameter groups and learning rates), where they live in the models, how
+they are written to files, what a state and a healthy point hold, and what its files' metadata say.
+docs/training_core.md explains each hook and what a full-model trainable has to provide.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional, Protocol
+
+import torch
+from accelerate import Accelerator
+
+from library.model_loading import StableDiffusionModels
+
+
+class Trainable(Protocol):
+    kind: str  # what the messages call it ("LoRA")
+    module: Optional[torch.nn.Module]  # what trains once ``attach`` ran; a state component ("network")
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Its own options (one argparse definition each)."""
+
+    def validate_arguments(self, args: argparse.Namespace, sdxl: bool) -> None:
+        """Refuse bad values of its options (``UserError``) before anything is loaded."""
+
+    def configure(self, args: argparse.Namespace) -> None:
+        """Resolve its options once into its own typed config (after presets and aliases); the hooks
+        below read that config, not the namespace."""
+
+    def parts(self) -> tuple[bool, bool]:
+        """Which models it trains: (the UNet, the text encoders). The core switches gradient
+        checkpointing, ``torch.compile`` and gradient recording on for those."""
+
+    def attach(self, models: StableDiffusionModels, unet_module_names: Optional[dict[str, str]]) -> None:
+        """Create what trains on ``models`` (before they are placed on the device); raise
+        ``UserError`` when nothing would train."""
+
+    def place(self, device: torch.device, autocast_dtype: torch.dtype) -> None:
+        """Move what trains to the device in its training dtype (``--full_fp16`` / ``--full_bf16``)."""
+
+    def records_text_encoder_gradients(self) -> bool:
+        """Whether the text encoders' forward must record gradients."""
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups with their learning rates (``UserError`` when none trains)."""
+
+    def after_optimizer_step(self) -> dict[str, float]:
+        """Work after a real optimizer step (e.g. max-norm regularisation); the scalars it logs."""
+
+    def weights_finite(self) -> bool:
+        """Whether every trained weight is finite (a host sync; only asked on the non-finite path)."""
+
+    def metadata(self, args: argparse.Namespace, accelerator: Accelerator, models: StableDiffusionModels,
+                 data: Any, optimization: Any, progress: Any) -> dict[str, str]:
+        """The metadata every file of the run carries (main process only)."""
+
+    def writer(self, args: argparse.Namespace, metadata: dict[str, str], ema_average: Any, current_metadata: Any,
+               resumed: bool) -> Any:
+        """Its files' writer: ``on_step``, ``on_epoch_end``, ``write``, ``mark_abandoned``, ``written``,
+        ``save_dtype`` and ``trained`` (whether the weights are worth a state or a file yet: set when
+        ``resumed`` or started from trained weights) (``library.lora_files.LoraWriter`` is the LoRA one)."""
+
+    def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
+        """Ready its per-run monitors once every option (the step count) is final."""
+
+    def step_scalars(self, step: int, *, guard_skipped: int, scaler_skipped: int,
+                     learning_rates: list[float]) -> dict[str, float]:
+        """Scalars of its own logged with a step's (e.g. what the LoRA changes)."""
+
+    def validation_pass(self, run: Any, kind: str, run_pass: Any, batch_loss: Any) -> dict[str, float]:
+        """``run_pass()`` (the validation pass and its scalars), with its own scalars added."""
+
+    def check_written(self, path: str, save_dtype: Optional[torch.dtype]) -> None:
+        """Re-read the final file just written and warn when it does not hold what trained."""
+
+    def weights_for_report(self) -> dict[str, torch.Tensor]:
+        """The trained tensors by name (``--debug_report_weights``: processes agree)."""

@@ -1,0 +1,164 @@
+"""The diffusion loss of a batch and the backward of an accumulation window.
+
+batch -> latents (keyed VAE sample) -> conditioning -> keyed noise and timesteps -> UNet -> weighted
+loss. ``hooks`` is the trainer: its model hooks (``encode_prompts``, ``predict``: the model family's)
+and its ``plan_loss`` / ``compute_loss``, so a trainer subclass that overrides one of them is the one used.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any, Optional, Protocol
+
+import torch
+from accelerate import Accelerator
+
+from library import compatibility, healing, losses, noise
+from library.datasets import latents as cached_latents
+from library.model_loading import StableDiffusionModels
+from library.training.run import LossContext
+
+
+class LossHooks(Protocol):
+    """What the loss path calls back into (``library.training.trainer.Trainer`` provides it)."""
+
+    def encode_prompts(self, args: Any, models: StableDiffusionModels, captions: list[str]) -> Any: ...
+
+    def predict(self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Any, batch: dict[str, Any]) -> torch.Tensor: ...
+
+    def plan_loss(self, run: LossContext, batch: dict[str, Any], epoch: int,
+                  timesteps: Optional[torch.Tensor] = None) -> losses.BatchWeights: ...
+
+    def compute_loss(self, run: LossContext, batch: dict[str, Any], epoch: int, plan: losses.BatchWeights,
+                     timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None) -> losses.WeightedLoss: ...
+
+
+def backward_window(
+    hooks: LossHooks, run: LossContext, window: list[dict[str, Any]], epoch: int, accelerator: Accelerator, scaler,
+    samples: Optional[healing.WindowSamples] = None,
+) -> torch.Tensor:
+    """Forward and backward every micro-batch of one accumulation window; returns the window's loss
+    (a 0-dim tensor: the gradient monitor reads it in its one host sync per step). ``samples``
+    collects each sample's loss and input finiteness, summed over processes with the window loss.
+
+    The loss is normalised over the whole window and all processes (``--loss_normalization
+    exact``): the weight denominator is known before the first backward, because weights
+    depend only on the batches and their keyed timesteps, not on the model.
+    """
+    plans = [hooks.plan_loss(run, batch, epoch) for batch in window]
+    local = losses.window_denominator(
+        [plan.weight_sum for plan in plans], run.loss_options.loss_normalization, run.args.gradient_accumulation_steps
+    )
+    denominator = accelerator.reduce(local.to(run.device), reduction="sum")
+    window_loss_sum = torch.zeros((), device=run.device)
+    for batch, plan in zip(window, plans):
+        with run.autocast:
+            result = hooks.compute_loss(run, batch, epoch, plan)
+        # Gradients are summed over processes afterwards, so each process's share of the
+        # global sum / global denominator adds up to exactly the full-batch gradient.
+        objective = losses.micro_batch_objective(result.loss_sum, denominator, 1.0)
+        accelerator.backward(scaler.scale(objective) if scaler else objective)
+        window_loss_sum += result.loss_sum.detach()
+        if samples is not None:
+            samples.add(batch["sample_indices"], result.per_sample, result.inputs_finite, "padding" in batch)
+    if samples is None:
+        return losses.normalize(accelerator.reduce(window_loss_sum, reduction="sum"), denominator)
+    samples.reduced = accelerator.reduce(samples.vector(window_loss_sum), reduction="sum")
+    return losses.normalize(samples.reduced[0], denominator)
+
+
+def plan_loss(run: LossContext, batch: dict[str, Any], epoch: int, timesteps: Optional[torch.Tensor] = None
+              ) -> losses.BatchWeights:
+    """The batch's loss weights (per-sample, SNR, mask) without running the model; ``timesteps``
+    (long (B,)) replaces the keyed draw (validation's fixed timesteps)."""
+    if "latents" in batch:
+        latent_hw = tuple(batch["latents"].shape[2:])
+    else:
+        latent_hw = (batch["images"].shape[2] // 8, batch["images"].shape[3] // 8)
+    if timesteps is None:
+        timesteps = noise.draw_timesteps(
+            run.args.seed, epoch, batch["sample_indices"].tolist(), run.noise_scheduler.config.num_train_timesteps,
+            run.args.min_timestep, run.args.max_timestep,
+        )
+    masks = batch.get("alpha_masks")
+    mask = None if masks is None else losses.mask_to_latent(masks, latent_hw)
+    channels = run.models.unet.config.in_channels
+    return losses.batch_weights(
+        run.loss_options, run.noise_scheduler.alphas_cumprod, timesteps, batch["loss_weights"],
+        (channels, *latent_hw), mask,
+    )
+
+
+def compute_loss(
+    hooks: LossHooks, run: LossContext, batch: dict[str, Any], epoch: int, plan: losses.BatchWeights,
+    timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None,
+) -> losses.WeightedLoss:
+    """The batch's weighted fp32 loss sum: encode, add keyed noise, predict, compare with the target.
+
+    The latent sample and the noise are keyed by (``seed`` or ``--seed``, ``epoch``, sample);
+    ``timesteps`` (long (B,), those ``plan`` was made with) replaces the keyed timestep draw.
+    """
+    args, models, device = run.args, run.models, run.device
+    seed = args.seed if seed is None else seed
+    sample_indices = batch["sample_indices"].tolist()
+    with torch.no_grad():
+        if "latents" in batch:  # cached VAE mean/std: the same keyed sample as encode_latents
+            latents = cached_latents.sample_cached_latents(batch, seed, epoch).to(device)
+        else:
+            latents = encode_latents(models.vae, batch["images"], seed, epoch, sample_indices)
+    if "text_encoder_outputs" in batch:  # cached SDXL conditioning (text encoders frozen)
+        conditioning = tuple(tensor.to(device) for tensor in batch["text_encoder_outputs"])
+    else:
+        with nullcontext() if run.train_text_encoder else torch.no_grad():
+            conditioning = hooks.encode_prompts(args, models, batch["captions"])
+    drawn = noise.draw_diffusion_noise(
+        seed, epoch, sample_indices, tuple(latents.shape[1:]), run.noise_scheduler.config.num_train_timesteps,
+        options=run.noise_options, latents=latents,
+    ).to(device)
+    if timesteps is not None:
+        drawn = replace(drawn, timesteps=timesteps.to(device))
+    noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
+    with compatibility.offloaded_activations(args, device):
+        prediction = hooks.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
+    target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
+                                     args.v_parameterization)
+    result = losses.batch_loss(prediction, target, plan, run.loss_options)
+    if run.debiased is not None and torch.is_grad_enabled():  # training steps (not validation, not probes)
+        add_base_loss(hooks, run, batch, noisy_latents, drawn.timesteps, conditioning, target, plan, result)
+    if run.check_inputs:  # the inputs a sample brings: its latents, and the text conditioning when frozen
+        frozen_conditioning = () if run.train_text_encoder and "text_encoder_outputs" not in batch else (conditioning,)
+        result.inputs_finite = healing.inputs_finite(latents, *frozen_conditioning)
+    return result
+
+
+def add_base_loss(hooks: LossHooks, run: LossContext, batch: dict[str, Any], noisy_latents: torch.Tensor,
+                  timesteps: torch.Tensor, conditioning: Any, target: torch.Tensor, plan: losses.BatchWeights,
+                  result: losses.WeightedLoss) -> None:
+    """``--debiased_loss``: the same inputs through the base model (library/debiased_loss.py)."""
+    with run.debiased.base_model():
+        if run.train_text_encoder and "text_encoder_outputs" not in batch:
+            conditioning = hooks.encode_prompts(run.args, run.models, batch["captions"])
+        with compatibility.offloaded_activations(run.args, run.device):
+            prediction = hooks.predict(run.models, noisy_latents, timesteps, conditioning, batch)
+        base = losses.batch_loss(prediction, target, plan, run.loss_options)
+    run.debiased.add(result.per_sample, base.per_sample)
+
+
+def validation_loss(
+    hooks: LossHooks, run: LossContext, batch: dict[str, Any], timesteps: torch.Tensor, epoch: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's normalised loss at ``timesteps`` (long (B,)) with draws keyed by (``seed``, ``epoch``),
+    through the training loss path, and its weight sum (``library.validation.BatchLoss``)."""
+    plan = hooks.plan_loss(run, batch, epoch, timesteps)
+    with run.autocast:
+        result = hooks.compute_loss(run, batch, epoch, plan, timesteps=timesteps, seed=seed)
+    return losses.normalize(result.loss_sum, result.weight_sum), result.weight_sum
+
+
+def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indices: list[int]) -> torch.Tensor:
+    """Scaled VAE latents in fp32, sampled with keyed noise so each image's sample is reproducible."""
+    distribution = vae.encode(images.to(vae.device, dtype=vae.dtype)).latent_dist
+    mean, std = distribution.mean.float(), distribution.std.float()
+    eps = noise.draw_latent_samples(seed, epoch, sample_indices, tuple(mean.shape[1:])).to(mean.device)
+    return (mean + std * eps) * vae.config.scaling_factor

@@ -1,0 +1,139 @@
+"""Every trainer on the training core (``library.training``) goes through the same loop events:
+sample, validate, save, rewind, and kill -9 + ``--resume auto`` to the uninterrupted run's bytes.
+
+A trainer is a model family + a trainable; each entry of ``TRAINERS`` names its entry script and
+its own options, and every test here runs for each entry (a full fine-tuner adds one)."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, SCRIPT_ENV, model_args
+
+import library.training.trainer
+import sdxl_train_network
+import train_network
+from library.trainables.base import Trainable
+
+
+@dataclass(frozen=True)
+class TrainerUnderTest:
+    script: str  # the entry script, run as the GUI runs it
+    model: str  # the tiny model it trains on (conftest's ``tiny_models`` key)
+    options: tuple[str, ...]  # what it trains, and how (its own options)
+    final_file: str  # the file a finished run writes into --output_dir (--output_name core)
+
+
+TRAINERS = {
+    "lora-sdxl": TrainerUnderTest("sdxl_train_network.py", "sdxl", (
+        "--network_dim", "4", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=4"),
+        "core.safetensors"),
+    "lora-sd15": TrainerUnderTest("train_network.py", "sd15", (
+        "--network_dim", "4", "--network_alpha", "4"), "core.safetensors"),
+}
+# A learning rate this high makes the tiny models' fp16 training diverge within a few steps, so the
+# self-healing rewinds (the healing tests rely on the same); the other events come at fixed steps.
+EVENTS = ("--mixed_precision", "fp16", "--grad_guard_preset", "stable", "--learning_rate", "1",
+          "--max_train_steps", "8", "--save_state", "--save_every_n_steps", "1", "--rewind_every_n_steps", "2",
+          "--validation_split", "0.25", "--validate_every_n_steps", "4", "--sample_every_n_steps", "4",
+          "--optimizer_type", "AdamW")
+KEPT = ("gradient_logs+core.txt", "healing_log+core.txt")  # with the final file: what the run leaves
+
+
+def test_the_entry_scripts_are_the_core_with_a_family_and_a_trainable():
+    for trainer in (train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer()):
+        assert isinstance(trainer, library.training.trainer.Trainer)
+        assert type(trainer).train is library.training.trainer.Trainer.train  # no copy of the loop
+    assert sdxl_train_network.SdxlNetworkTrainer().is_sdxl and not train_network.NetworkTrainer().is_sdxl
+
+
+def test_every_trainable_has_every_hook_the_core_calls():
+    hooks = {name for name, value in vars(Trainable).items() if callable(value) and not name.startswith("_")}
+    assert {"attach", "param_groups", "writer", "weights_finite"} <= hooks
+    for trainer in (train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer()):
+        missing = {name for name in hooks if not callable(getattr(trainer.trainable, name, None))}
+        assert not missing, f"{type(trainer.trainable).__name__} lacks {sorted(missing)}"
+        assert isinstance(trainer.trainable.kind, str) and hasattr(trainer.trainable, "module")
+
+
+def run_script(script: str, argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(REPO / script), *argv], cwd=REPO, env=SCRIPT_ENV,
+                            capture_output=True, text=True, timeout=600)
+    if expect is not None:
+        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from tools.make_demo_dataset import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("core_dataset")
+    make_demo_dataset(str(root), count=8, size=64, repeats=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("core_prompts") / "prompts.txt"
+    path.write_text("a red circle --w 64 --h 64 --s 2 --d 5\n")
+    return path
+
+
+def events_argv(name: str, tiny_models, dataset: Path, prompts: Path, output_dir: Path) -> list[str]:
+    trainer = TRAINERS[name]
+    return model_args(tiny_models, trainer.model) + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+        "--output_dir", str(output_dir), "--output_name", "core", "--seed", "42", "--max_data_loader_n_workers", "0",
+        "--sample_prompts", str(prompts), *EVENTS, *trainer.options]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_models, dataset, prompts, tmp_path_factory):
+    """name -> (output folder, stdout, rewind steps) of each trainer's uninterrupted run."""
+    runs = {}
+
+    def get(name: str) -> tuple[Path, str, list[int]]:
+        if name not in runs:
+            output_dir = tmp_path_factory.mktemp(f"core_{name}")
+            result = run_script(TRAINERS[name].script, events_argv(name, tiny_models, dataset, prompts, output_dir))
+            rewinds = [int(step) for step in re.findall(r"^step (\d+): .*rewound to the healthy point", result.stdout,
+                                                        re.M)]
+            runs[name] = output_dir, result.stdout, rewinds
+        return runs[name]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_every_loop_event_happens(name, uninterrupted):
+    output_dir, stdout, rewinds = uninterrupted(name)
+    assert rewinds, stdout[-3000:]  # rewind: the run diverged and went back to a healthy point
+    assert "rewind" in (output_dir / "healing_log+core.txt").read_text()
+    assert re.search(r"^validation loss after step 4: ", stdout, re.M)  # validate
+    assert re.search(r"^validation loss after step 8: ", stdout, re.M)
+    assert len(list((output_dir / "sample").glob("core_000004_*.png"))) == 1  # sample
+    assert len(list((output_dir / "sample").glob("core_000008_*.png"))) == 1
+    assert (output_dir / TRAINERS[name].final_file).stat().st_size > 0  # save: the final file and state
+    assert (output_dir / "core-state").is_dir() and (output_dir / "core-step00000008-state").is_dir()
+    assert stdout.strip().splitlines()[-1].startswith("done: 8 steps")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_killed_at_the_rewind_then_resumed_gives_the_uninterrupted_bytes(name, uninterrupted, tiny_models, dataset,
+                                                                         prompts, tmp_path):
+    reference, _, rewinds = uninterrupted(name)
+    kill_at = rewinds[0]  # a state is written every step: dying while writing state K kills at step K
+    argv = events_argv(name, tiny_models, dataset, prompts, tmp_path)
+    killed = run_script(TRAINERS[name].script, argv + ["--debug_kill_in_state_write", str(kill_at)], expect=None)
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run_script(TRAINERS[name].script, argv + ["--resume", "auto"])
+    assert f"resumed at step {kill_at - 1} " in resumed.stdout
+    for file_name in (TRAINERS[name].final_file, *KEPT):
+        assert (tmp_path / file_name).read_bytes() == (reference / file_name).read_bytes(), file_name
