@@ -288,6 +288,9 @@ class FusedBackward:
         with exactly one of :meth:`apply` or :meth:`discard`."""
         if self._pending is not None:
             raise RuntimeError("FusedBackward.measure() called twice without apply() or discard() in between")
+        if any(parameter.grad is not None for parameter in self.parameters):
+            raise RuntimeError("FusedBackward.measure() needs the gradients cleared (a backward outside it "
+                               "accumulated into them)")
         self._guard_norms.zero_()
         if self._dots is not None:
             self._dots.zero_()

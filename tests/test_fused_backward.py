@@ -61,7 +61,8 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
         max_grad_norm: float | None = 1.0, scaler_args: dict | None = None, autocast: bool = False,
         spike_step: int | None = None, spike: float = SPIKE, loss_fn=unet_loss, state: dict | None = None):
     """Train a copy of ``model`` for ``steps`` steps, unfused (the trainer's order: backward, measure,
-    guard, unscale, clip, step, update) or fused; return the model, optimizers, scaler and per-step log."""
+    guard, unscale, clip, step, update) or fused; return the model, optimizers, scaler, per-step log and
+    the most parameters that held a gradient at once after a fused hook ran (0 when fused per parameter)."""
     model = copy.deepcopy(model)
     optimizers = make_optimizers(model)
     scaler = LossScaler(DynamicPolicy(**scaler_args)) if scaler_args else None
@@ -73,6 +74,12 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
     fused_step = FusedBackward(optimizers, per_parameter=per_parameter, max_grad_norm=max_grad_norm,
                                scaler=scaler) if fused else None
     monitor = None if fused else GradientMonitor(params)
+    most_held = [0]
+    if fused:
+        def count_held(_: torch.Tensor) -> None:  # registered after the fused hooks: runs after each of them
+            most_held[0] = max(most_held[0], sum(p.grad is not None for p in params))
+        for parameter in params:
+            parameter.register_post_accumulate_grad_hook(count_held)
     log = []
     for step in range(1, steps + 1):
         loss = loss_fn(model, step, autocast=autocast, spike_step=spike_step, spike=spike)
@@ -106,7 +113,7 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
                 optimizer.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in params), "a gradient outlived its step"
         log.append((step, measured.norm, skip, stepped, scaler.get_scale() if scaler else None))
-    return model, optimizers, scaler, log
+    return model, optimizers, scaler, log, most_held[0]
 
 
 def adafactor(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -115,7 +122,7 @@ def adafactor(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def assert_same_run(unfused, fused) -> None:
-    (model_a, optimizers_a, scaler_a, log_a), (model_b, optimizers_b, scaler_b, log_b) = unfused, fused
+    (model_a, optimizers_a, scaler_a, log_a, _), (model_b, optimizers_b, scaler_b, log_b, _) = unfused, fused
     for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(a, b), f"{name}: max difference {(a - b).abs().max().item()}"
     rows = max(1, sum(p.numel() for p in model_a.parameters()) // CPU_NORM_ROW)
@@ -157,6 +164,7 @@ def test_adafactor_fused_equals_unfused_with_guard_skip(tiny_unet):
     assert_same_run(unfused, fused)
     moved = [not torch.equal(a, b) for a, b in zip(tiny_unet.parameters(), fused[0].parameters())]
     assert all(moved)
+    assert fused[4] == 0  # every gradient freed in its own hook: never two at once
 
 
 def test_fused_groups_adamw_equal_one_unfused_adamw(tiny_unet):
@@ -172,6 +180,11 @@ def test_fused_groups_adamw_equal_one_unfused_adamw(tiny_unet):
     unfused = run(tiny_unet, one_adamw, 3, fused=False, spike_step=2)
     fused = run(tiny_unet, three_adamws, 3, fused=True, per_parameter=False, spike_step=2)
     assert len(fused[1]) == 3
+    # never the full gradient: a group is freed when it steps. (Not one group at most: kohya splits by
+    # parameter order, and the first group holds the time embedding, whose gradient completes last, after
+    # every block that uses it; meanwhile a second group may wait too.)
+    assert 0 < fused[4] < 2 * max(len(group["params"]) for optimizer in fused[1] for group in optimizer.param_groups)
+    assert fused[4] < len(list(fused[0].parameters()))
     for a, b in zip(unfused[0].parameters(), fused[0].parameters()):
         assert torch.equal(a, b)
     # the three optimizers' states together are the one optimizer's, parameter by parameter
@@ -219,15 +232,17 @@ class DropoutNet(torch.nn.Module):
     """A small real module whose forward draws random numbers (dropout) inside a gradient-checkpointed
     block: its backward recomputes the block, so RNG handling decides whether the passes agree."""
 
-    def __init__(self) -> None:
+    def __init__(self, use_reentrant: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.use_reentrant = use_reentrant
+        self.stem = torch.nn.Linear(16, 16)  # so the checkpointed block's input requires grad (reentrant)
         self.block = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.3),
                                          torch.nn.Linear(64, 16))
         self.head = torch.nn.Linear(16, 1)
 
     def forward(self, x):
-        hidden = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        hidden = torch.utils.checkpoint.checkpoint(self.block, self.stem(x), use_reentrant=self.use_reentrant)
         return self.head(torch.nn.functional.dropout(hidden, 0.2))
 
 
@@ -237,14 +252,15 @@ def dropout_loss(model, step, autocast=False, spike_step=None, spike=SPIKE):
     return loss * spike if step == spike_step else loss
 
 
-def test_dropout_and_checkpointing_rng(tiny_unet):
-    """Dropout under gradient checkpointing (the backward recomputes with the saved RNG state): the same
-    weights, and the global RNG after the run is the unfused run's (so later draws are too)."""
-    del tiny_unet
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_dropout_and_checkpointing_rng(use_reentrant):
+    """Dropout under gradient checkpointing, both of torch's kinds (the backward recomputes the block with
+    its saved RNG state): the same weights, and the global RNG after the run is the unfused run's (so
+    later draws are too)."""
     results = []
     for fused in (False, True):
         torch.manual_seed(123)
-        result = run(DropoutNet(), adafactor, 4, fused=fused, loss_fn=dropout_loss, spike_step=3)
+        result = run(DropoutNet(use_reentrant), adafactor, 4, fused=fused, loss_fn=dropout_loss, spike_step=3)
         results.append((result, torch.get_rng_state()))
     (unfused, rng_a), (fused, rng_b) = results
     assert_same_run(unfused, fused)
