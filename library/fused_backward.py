@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from library.errors import UserError
-from library.grad_guard import GradientMeasurement, _cosine, _flat_norm
+from library.grad_guard import GradientMeasurement, GradientMonitor, _flat_norm
 
 logger = logging.getLogger(__name__)
 
@@ -250,17 +250,12 @@ class FusedBackward:
         self._stochastic_rounding = per_parameter and _is_adafactor(self.optimizers[0])
         self._generator = torch.Generator(device=self.device) if self._stochastic_rounding else None
 
+        # The guard's bookkeeping (previous gradient for the cosine, one-sync conclusion, state) is the
+        # unfused monitor's; only the per-gradient reads happen here, in the hooks.
+        self._monitor = GradientMonitor(self.parameters, cosine=cosine, unscaled=unscaled)
+        self._previous_views = self._monitor.previous_views() if cosine else []
         self._guard_norms = torch.zeros(len(self._entries), dtype=torch.float32, device=self.device)
         self._dots = torch.zeros(len(self._entries), dtype=torch.float32, device=self.device) if cosine else None
-        self._previous = torch.zeros(self.numel, dtype=torch.float32, device=self.device) if cosine else None
-        self._previous_views: list[torch.Tensor] = []
-        offset = 0
-        for parameter in self.parameters:
-            if cosine:
-                self._previous_views.append(self._previous[offset:offset + parameter.numel()])
-            offset += parameter.numel()
-        self._has_previous = False
-        self._previous_norm = math.nan
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._apply_found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._inverse_scale: torch.Tensor | None = None
@@ -310,39 +305,14 @@ class FusedBackward:
         self._clip_coefficient = self._whole_step_clip_coefficient()
 
         guard_norm = torch.linalg.vector_norm(self._guard_norms)
-        scalars = [guard_norm, self._found_inf[0]]
-        if self._dots is not None:
-            scalars.append(self._dots.sum())
-        if scale is not None:
-            scalars.append(scale.detach().reshape(()).to(self.device, torch.float32))
-        if loss_value is not None:
-            scalars.append(loss_value.detach().reshape(()).to(self.device, torch.float32))
-        stacked = torch.stack(scalars)
+        dot = self._dots.sum() if self._dots is not None and self._monitor.has_previous else None
+        # the overflow flag rides first among the riders: the same single host sync
+        flags = self._found_inf.reshape(1)
         if riders is not None:
-            stacked = torch.cat([stacked, riders.detach().reshape(-1).to(self.device, torch.float32)])
-        values = stacked.tolist()  # the one host sync
-        rider_values = values[len(scalars):]
-        raw_norm, found_inf = values[0], values[1]
-        position = 2
-        dot = math.nan
-        if self._dots is not None:
-            dot, position = values[position], position + 1
-        scale_value = 1.0
-        if scale is not None:
-            scale_value, position = values[position], position + 1
-        loss_number = values[position] if loss_value is not None else math.nan
-        self.overflow = found_inf > 0
-
-        cosine = math.nan
-        if self.cosine:
-            if self._has_previous:
-                cosine = _cosine(dot, raw_norm, self._previous_norm)
-            self._has_previous = True
-            self._previous_norm = raw_norm
-        norm = raw_norm
-        if self.unscaled:
-            norm = raw_norm / scale_value if scale_value else math.nan
-        return GradientMeasurement(norm=norm, cosine=cosine, scale=scale_value, loss=loss_number, riders=rider_values)
+            flags = torch.cat([flags, riders.detach().reshape(-1).to(self.device, torch.float32)])
+        measured = self._monitor.conclude(guard_norm, dot, scale, loss_value, flags)
+        self.overflow = measured.riders[0] > 0
+        return dataclasses.replace(measured, riders=measured.riders[1:])
 
     def apply(self) -> bool:
         """Second pass: unscale, clip with the whole step's coefficient, step and drop each gradient. With
@@ -385,24 +355,12 @@ class FusedBackward:
 
     # -- state (the cosine log's previous gradient; optimizers save their own)
     def state_dict(self) -> dict[str, Any]:
-        """As :meth:`library.grad_guard.GradientMonitor.state_dict`: the flat float32 previous gradient (None
-        before the first step or without cosine) and its norm; loadable by either."""
-        previous = self._previous.clone() if self.cosine and self._has_previous else None
-        return {"previous_gradient": previous, "previous_norm": self._previous_norm}
+        """:meth:`library.grad_guard.GradientMonitor.state_dict`'s (the cosine log's previous gradient): a
+        state saved by either loads in either."""
+        return self._monitor.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        previous = state.get("previous_gradient")
-        self._has_previous = False
-        self._previous_norm = math.nan
-        if not self.cosine or previous is None:
-            return
-        if previous.numel() != self.numel:
-            logger.warning("fused backward: the resumed previous gradient has %d values but the trainable parameters "
-                           "have %d; the first CosineSim after resume is nan", previous.numel(), self.numel)
-            return
-        self._previous.copy_(previous.reshape(-1))
-        self._has_previous = True
-        self._previous_norm = float(state["previous_norm"])
+        self._monitor.load_state_dict(state)
 
     # -- internals
     def _run(self, mode: str, loss: torch.Tensor, retain: bool) -> None:
@@ -432,7 +390,7 @@ class FusedBackward:
         self._guard_norms[index] = _flat_norm(flat)  # the guard's norm: the scaled gradient
         if self._dots is not None:
             previous = self._previous_views[index]
-            if self._has_previous:
+            if self._monitor.has_previous:
                 self._dots[index] = torch.dot(flat.float(), previous)
             previous.copy_(flat)
         if self.scaler is not None:  # the scaler's check, on a gradient that is dropped next anyway

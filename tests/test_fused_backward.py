@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -59,7 +60,8 @@ def unet_loss(unet: torch.nn.Module, step: int, autocast: bool = False, spike_st
 
 def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per_parameter: bool = True,
         max_grad_norm: float | None = 1.0, scaler_args: dict | None = None, autocast: bool = False,
-        spike_step: int | None = None, spike: float = SPIKE, loss_fn=unet_loss, state: dict | None = None):
+        spike_step: int | None = None, spike: float = SPIKE, loss_fn=unet_loss, state: dict | None = None,
+        cosine: bool = False):
     """Train a copy of ``model`` for ``steps`` steps, unfused (the trainer's order: backward, measure,
     guard, unscale, clip, step, update) or fused; return the model, optimizers, scaler, per-step log and
     the most parameters that held a gradient at once after a fused hook ran (0 when fused per parameter)."""
@@ -72,8 +74,8 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
         for optimizer, saved in zip(optimizers, state["optimizers"]):
             optimizer.load_state_dict(copy.deepcopy(saved))  # loading keeps the tensors; stepping changes them
     fused_step = FusedBackward(optimizers, per_parameter=per_parameter, max_grad_norm=max_grad_norm,
-                               scaler=scaler) if fused else None
-    monitor = None if fused else GradientMonitor(params)
+                               scaler=scaler, cosine=cosine) if fused else None
+    monitor = None if fused else GradientMonitor(params, cosine=cosine)
     most_held = [0]
     if fused:
         def count_held(_: torch.Tensor) -> None:  # registered after the fused hooks: runs after each of them
@@ -112,7 +114,7 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in params), "a gradient outlived its step"
-        log.append((step, measured.norm, skip, stepped, scaler.get_scale() if scaler else None))
+        log.append((step, measured.norm, skip, stepped, scaler.get_scale() if scaler else None, measured.cosine))
     return model, optimizers, scaler, log, most_held[0]
 
 
@@ -127,12 +129,17 @@ def assert_same_run(unfused, fused) -> None:
         assert torch.equal(a, b), f"{name}: max difference {(a - b).abs().max().item()}"
     rows = max(1, sum(p.numel() for p in model_a.parameters()) // CPU_NORM_ROW)
     norm_bound = (rows + CPU_NORM_ROW) * EPS32
-    for (step, norm_a, skip_a, stepped_a, scale_a), (_, norm_b, skip_b, stepped_b, scale_b) in zip(log_a, log_b):
+    for (step, norm_a, skip_a, stepped_a, scale_a, cosine_a), (_, norm_b, skip_b, stepped_b, scale_b, cosine_b) \
+            in zip(log_a, log_b):
         assert (skip_a, stepped_a, scale_a) == (skip_b, stepped_b, scale_b), step
         if torch.isfinite(torch.tensor(norm_a)):
             assert abs(norm_a - norm_b) <= norm_bound * norm_a, (step, norm_a, norm_b)
         else:
             assert str(norm_a) == str(norm_b)
+        if math.isnan(cosine_a):
+            assert math.isnan(cosine_b), step
+        else:  # dot / (norm x norm), each summed in another order: three summation errors
+            assert abs(cosine_a - cosine_b) <= 3 * norm_bound, (step, cosine_a, cosine_b)
     for optimizer_a, optimizer_b in zip(optimizers_a, optimizers_b):
         assert_equal_states(optimizer_a.state_dict(), optimizer_b.state_dict())
     if scaler_a is not None:
@@ -256,14 +263,16 @@ def dropout_loss(model, step, autocast=False, spike_step=None, spike=SPIKE):
 def test_dropout_and_checkpointing_rng(use_reentrant):
     """Dropout under gradient checkpointing, both of torch's kinds (the backward recomputes the block with
     its saved RNG state): the same weights, and the global RNG after the run is the unfused run's (so
-    later draws are too)."""
+    later draws are too). The cosine log's column matches too (from step 2 on; nan on step 1)."""
     results = []
     for fused in (False, True):
         torch.manual_seed(123)
-        result = run(DropoutNet(use_reentrant), adafactor, 4, fused=fused, loss_fn=dropout_loss, spike_step=3)
+        result = run(DropoutNet(use_reentrant), adafactor, 4, fused=fused, loss_fn=dropout_loss, spike_step=3,
+                     cosine=True)
         results.append((result, torch.get_rng_state()))
     (unfused, rng_a), (fused, rng_b) = results
     assert_same_run(unfused, fused)
+    assert math.isnan(fused[3][0][5]) and all(-1 <= row[5] <= 1 for row in fused[3][1:])
     assert torch.equal(rng_a, rng_b)
 
 
