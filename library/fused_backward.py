@@ -30,7 +30,7 @@ The loop, per optimizer step::
     fused = FusedBackward(optimizers, per_parameter=options.fused_backward_pass,
                           max_grad_norm=args.max_grad_norm, scaler=scaler, cosine=..., unscaled=...)
     ...
-    measured = fused.measure(scaler.scale(loss) if scaler else loss, loss=loss.detach(), riders=...)
+    measured = fused.measure(scaler.scale(loss) if scaler else loss, loss_value=loss.detach(), riders=...)
     decision = guard.decide(step, measured.norm)
     if decision.skip:
         fused.discard()                       # no optimizer, scheduler or scaler step
@@ -73,12 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="apply Adafactor's update to each parameter as soon as its gradient is ready, then free the gradient: "
              "no full gradient in memory (bf16 weights: stochastic rounding, as kohya). The gradient guard, the fp16 "
              "loss scaler and --max_grad_norm still see the whole step's gradient: a first backward measures it, a "
-             "second one (same graph) applies the update, about 1.5x the step time (docs/fused_backward.md). Needs "
-             "--optimizer_type Adafactor and --gradient_accumulation_steps 1. Default: off")
+             "second one (same graph) applies the update: one more backward per step (1.2x the step on a CPU, up to "
+             "1.7x where the optimizer step is cheap; docs/fused_backward.md). Needs --optimizer_type Adafactor and "
+             "--gradient_accumulation_steps 1. Default: off")
     group.add_argument(
         "--fused_optimizer_groups", type=int, default=None, metavar="N",
         help="split the trainable parameters into N optimizers (and N LR schedulers), each stepped as soon as its "
-             "parameters' gradients are ready, then freed: about 1/N of the gradient in memory, any optimizer. Same "
+             "parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory (a group waits "
+             "for its last gradient), any optimizer. Same "
              "two-pass guard as --fused_backward_pass, which wins when both are given. Needs "
              "--gradient_accumulation_steps 1. Default: off (0 too)")
 
