@@ -174,6 +174,15 @@ def test_adafactor_fused_equals_unfused_with_guard_skip(tiny_unet):
     assert fused[4] == 0  # every gradient freed in its own hook: never two at once
 
 
+def test_gradient_checkpointing_unet(tiny_unet):
+    """--gradient_checkpointing (diffusers' own, on the UNet): the second backward recomputes every block
+    again; still the unfused run's weights."""
+    unet = copy.deepcopy(tiny_unet)
+    unet.enable_gradient_checkpointing()
+    unet.train()
+    assert_same_run(run(unet, adafactor, 2, fused=False), run(unet, adafactor, 2, fused=True))
+
+
 def test_fused_groups_adamw_equal_one_unfused_adamw(tiny_unet):
     """--fused_optimizer_groups 3 with AdamW (3 optimizers, each stepped when its gradients are ready)
     gives the weights of one unfused AdamW over all parameters (AdamW's update is per parameter)."""
