@@ -595,8 +595,26 @@ class GradientMonitor:
         previous one."""
         flat = self._flat_gradients.flat if self._flat_gradients is not None else self._gather()
         scaled_norm = _flat_norm(flat)
-        scalars = [scaled_norm]
         dot = self._dot_and_keep(flat) if self.cosine else None
+        return self.conclude(scaled_norm, dot, scale, loss, riders)
+
+    @property
+    def has_previous(self) -> bool:
+        """Whether the previous gradient is kept (cosine on, after a first step or a resume)."""
+        return self._has_previous
+
+    def previous_views(self) -> list[torch.Tensor]:
+        """With cosine: the previous gradient's buffer as one view per parameter (shaped flat), for a
+        caller that measures gradients one at a time (``library.fused_backward``) and keeps them here."""
+        return [view.reshape(-1) for view in views_into(self._previous, self._parameters)]
+
+    def conclude(self, scaled_norm: torch.Tensor, dot: torch.Tensor | None, scale: float | torch.Tensor | None = None,
+                 loss: torch.Tensor | None = None, riders: torch.Tensor | None = None) -> GradientMeasurement:
+        """The measurement from a step's (scaled) gradient ``norm`` and its ``dot`` product with the
+        previous gradient (None: no cosine this step), in one host sync; what :meth:`measure` returns
+        once it has computed them, for a caller that computed them itself. With cosine the step's
+        gradient must already have been copied over the previous one."""
+        scalars = [scaled_norm]
         if dot is not None:
             scalars.append(dot)
         if isinstance(scale, torch.Tensor):

@@ -295,6 +295,10 @@ def _number_arg(key: str, value: Any) -> float:
 # --------------------------------------------------------------------------- the scaler
 
 
+_EXTERNAL_STEP = -1
+"""The key of :meth:`LossScaler.record_step`'s step among the per-optimizer states (ids are > 0)."""
+
+
 @dataclass
 class _OptimizerState:
     """Per optimizer, between two ``update()`` calls."""
@@ -414,6 +418,23 @@ class LossScaler:
             return False
         optimizer.step(*args, **kwargs)
         return True
+
+    def record_step(self, overflow: bool) -> bool:
+        """Count one optimizer step whose gradients the caller unscaled and checked itself, as
+        :meth:`step` counts it, without calling an optimizer: ``library.fused_backward`` applies each
+        parameter's update during the backward, so the gradients never exist at once for
+        :meth:`unscale_`. ``overflow``: an unscaled gradient was inf/NaN (the caller's check, agreed over
+        the processes). Returns True when the caller may apply the update; end the iteration with
+        :meth:`update` as usual."""
+        state = self._per_optimizer.setdefault(_EXTERNAL_STEP, _OptimizerState())
+        if state.stepped:
+            raise RuntimeError("LossScaler.record_step() already called since the last update()")
+        state.overflow = bool(overflow)
+        state.stepped = True
+        self.last_step_skipped = state.overflow
+        if state.overflow:
+            self.overflow_count += 1
+        return not state.overflow
 
     def update(self) -> None:
         """End the iteration: ask the policy for the next scale given whether any optimizer

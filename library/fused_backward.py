@@ -1,0 +1,488 @@
+"""Fused backward: each parameter's update applied inside the backward pass, so no full gradient is held.
+
+kohya's ``--fused_backward_pass`` (Adafactor, one parameter at a time) and ``--fused_optimizer_groups N``
+(N optimizers, each stepped as soon as its parameters' gradients are ready), with this project's
+gradient guard, fp16 loss scaler and ``--max_grad_norm`` still deciding from the **whole step's**
+gradient. Design and measured cost: ``docs/fused_backward.md``. In short, two backward passes over one
+retained graph:
+
+1. :meth:`FusedBackward.measure` runs ``backward(retain_graph=True)``. A hook on every trainable
+   parameter, called as soon as its gradient is complete, reads from it what the step's decisions need
+   and drops it: its L2 norm as the guard measures it, its dot product with the previous step's
+   gradient (``--grad_cosine_log``), whether it is finite once unscaled (the scaler's overflow check)
+   and its unscaled norm as ``clip_grad_norm_`` takes it. One host sync then gives the step's
+   :class:`library.grad_guard.GradientMeasurement`.
+2. The loop decides exactly as without fusing (guard, healing), then calls :meth:`FusedBackward.apply`:
+   the scaler is told the overflow bit (:meth:`library.loss_scaling.LossScaler.record_step`); on an
+   overflow, or when the loop calls :meth:`FusedBackward.discard` instead, a second backward only drops
+   the gradients (it frees the graph; nothing changes). Otherwise the second backward's hooks unscale
+   each gradient, multiply it by the whole step's clip coefficient, step the optimizer for that
+   parameter (or for its group once the group is complete) and drop it.
+
+The same gradients reach the optimizer, through the same operations, as in an unfused step (unscale,
+``clip_grad_norm_``, ``optimizer.step()``), so the weights are the unfused run's to float32 rounding
+(bit-identical in the tests). The global RNG state is restored before the second pass, so the state
+after the step is a single backward's. Needs ``--gradient_accumulation_steps 1`` and one process (as
+kohya's); see :class:`FusedOptions`.
+
+The loop, per optimizer step::
+
+    fused = FusedBackward(optimizers, per_parameter=options.fused_backward_pass,
+                          max_grad_norm=args.max_grad_norm, scaler=scaler, cosine=..., unscaled=...)
+    ...
+    measured = fused.measure(scaler.scale(loss) if scaler else loss, loss_value=loss.detach(), riders=...)
+    decision = guard.decide(step, measured.norm)
+    if decision.skip:
+        fused.discard()                       # no optimizer, scheduler or scaler step
+    else:
+        stepped = fused.apply()               # False: the scaler found inf/NaN; nothing updated
+        if scaler is not None:
+            scaler.update()
+        if stepped:
+            for scheduler in lr_schedulers:   # one per optimizer with --fused_optimizer_groups
+                optimizers.step_schedule(scheduler, measured.loss)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from library.errors import UserError
+from library.grad_guard import GradientMeasurement, GradientMonitor, _flat_norm
+
+logger = logging.getLogger(__name__)
+
+Backward = Callable[[torch.Tensor, bool], None]
+"""``backward(tensor, retain_graph)``: how the loop runs a backward (e.g. through accelerate)."""
+
+
+# --------------------------------------------------------------------------- options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``--fused_backward_pass`` and ``--fused_optimizer_groups`` (kohya's names and defaults)."""
+    group = parser.add_argument_group(
+        "fused backward", "Apply the optimizer during the backward pass so that no full gradient is held.")
+    group.add_argument(
+        "--fused_backward_pass", action="store_true",
+        help="apply Adafactor's update to each parameter as soon as its gradient is ready, then free the gradient: "
+             "no full gradient in memory (bf16 weights: stochastic rounding, as kohya). The gradient guard, the fp16 "
+             "loss scaler and --max_grad_norm still see the whole step's gradient: a first backward measures it, a "
+             "second one (same graph) applies the update: one more backward per step (1.2x the step on a CPU, up to "
+             "1.7x where the optimizer step is cheap; docs/fused_backward.md). Needs --optimizer_type Adafactor and "
+             "--gradient_accumulation_steps 1. Default: off")
+    group.add_argument(
+        "--fused_optimizer_groups", type=int, default=None, metavar="N",
+        help="split the trainable parameters into N optimizers (and N LR schedulers), each stepped as soon as its "
+             "parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory (a group waits "
+             "for its last gradient), any optimizer. Same "
+             "two-pass guard as --fused_backward_pass, which wins when both are given. Needs "
+             "--gradient_accumulation_steps 1. Default: off (0 too)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOptions:
+    """``--fused_backward_pass`` / ``--fused_optimizer_groups``, checked. ``groups`` is None unless the
+    optimizer-groups mode is in force (``--fused_backward_pass`` wins over it, as in kohya)."""
+
+    fused_backward_pass: bool = False
+    groups: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.fused_backward_pass or self.groups is not None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, optimizer_type: str,
+                  announce: Callable[[str], None] = logger.warning) -> FusedOptions:
+        """Read and check the options; ``optimizer_type`` as ``library.optimizers.effective_optimizer_type``
+        gives it. Raises ``UserError`` (before any model loads) for a combination that cannot work."""
+        per_parameter = bool(getattr(args, "fused_backward_pass", False))
+        groups = getattr(args, "fused_optimizer_groups", None)
+        if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 0):
+            raise UserError(f"--fused_optimizer_groups must be a whole number >= 1 (0: off), got {groups!r}")
+        groups = groups or None
+        if per_parameter and groups is not None:
+            announce(f"--fused_optimizer_groups {groups} is ignored: --fused_backward_pass is given (as in kohya)")
+            groups = None
+        flag = "--fused_backward_pass" if per_parameter else f"--fused_optimizer_groups {groups}"
+        if per_parameter and optimizer_type.rsplit(".", 1)[-1].lower() != "adafactor":
+            raise UserError(f"--fused_backward_pass needs --optimizer_type Adafactor (got {optimizer_type}); "
+                            f"for another optimizer use --fused_optimizer_groups N")
+        if (per_parameter or groups) and int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
+            raise UserError(f"{flag} needs --gradient_accumulation_steps 1 (got "
+                            f"{args.gradient_accumulation_steps}): accumulating would hold the full gradient")
+        return cls(per_parameter, groups)
+
+
+def split_into_groups(param_groups: Sequence[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:
+    """kohya's ``--fused_optimizer_groups`` split: the parameter tensors, in order, in runs of at most
+    ``ceil(total / count)``; a change of learning rate also starts a new run (so there may be more than
+    ``count``). Each run becomes ``{"params": [...], "lr": lr}``, the param groups of one optimizer (kohya
+    keeps only ``lr`` of each group's settings)."""
+    total = sum(len(group["params"]) for group in param_groups)
+    per_run = max(1, math.ceil(total / count))
+    runs: list[dict[str, Any]] = []
+    current: list[torch.Tensor] = []
+    current_lr: Any = None
+    for group in param_groups:
+        for parameter in group["params"]:
+            if current and group["lr"] != current_lr:
+                runs.append({"params": current, "lr": current_lr})
+                current = []
+            current_lr = group["lr"]
+            current.append(parameter)
+            if len(current) == per_run:
+                runs.append({"params": current, "lr": current_lr})
+                current = []
+    if current:
+        runs.append({"params": current, "lr": current_lr})
+    return runs
+
+
+# --------------------------------------------------------------------------- stepping one parameter
+
+
+def step_one_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any], parameter: torch.Tensor) -> None:
+    """``optimizer.step()`` for ``parameter`` alone (its ``.grad`` set), with ``group``'s settings: the
+    optimizer's own step code on a one-parameter view of its groups, so the result and the state (keyed
+    by the parameter, as usual) are an ordinary step's. Right for optimizers whose update of a
+    parameter depends only on that parameter (Adafactor, AdamW, SGD, Lion), not for those that pool
+    statistics over all of them (Prodigy, D-Adaptation)."""
+    saved_groups, saved_params = optimizer.param_groups, group["params"]
+    group["params"] = [parameter]
+    optimizer.param_groups = [group]
+    try:
+        optimizer.step()
+    finally:
+        group["params"] = saved_params
+        optimizer.param_groups = saved_groups
+
+
+def stochastic_round_to_bfloat16_(target: torch.Tensor, source: torch.Tensor, generator: torch.Generator) -> None:
+    """Write float32 ``source`` into bfloat16 ``target``, rounding up with probability equal to the
+    dropped fraction (unbiased: E[target] = source), as kohya's fused Adafactor does for bf16 weights.
+    A bfloat16 is a float32's upper 16 bits: add a uniform 16-bit integer to the lower bits, then
+    truncate. Draws come from ``generator`` only (the global RNG is not touched)."""
+    bits = torch.randint(0, 1 << 16, source.shape, dtype=torch.int32, device=source.device, generator=generator)
+    bits.add_(source.contiguous().view(torch.int32))
+    bits.bitwise_and_(-65536)  # keep the upper 16 bits (0xFFFF0000 as int32)
+    target.copy_(bits.view(torch.float32))
+
+
+def _is_adafactor(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "Adafactor" and type(optimizer).__module__.startswith("transformers")
+
+
+def _rounding_seed(seed: int, index: int, step: int) -> int:
+    """One generator seed per (run seed, parameter, step of that parameter): the same draws on a resumed
+    run, whatever order the backward visits the parameters in."""
+    return (seed * 1_000_003 + index * 7_919 + step * 104_729) % (2**63 - 1)
+
+
+# --------------------------------------------------------------------------- the fused backward
+
+
+class FusedBackward:
+    """Hooks on the trainable parameters of ``optimizers`` that measure, then apply, one step's gradient
+    without ever holding all of it (see the module docstring for the call order).
+
+    * ``per_parameter=True`` (``--fused_backward_pass``): each parameter is stepped alone as its gradient
+      completes (:func:`step_one_parameter`); with transformers' Adafactor, bfloat16 weights are updated
+      in float32 and stochastically rounded (as kohya), with draws keyed by ``rounding_seed``, the
+      parameter and its step. At most one parameter's gradient is held.
+    * ``per_parameter=False`` (``--fused_optimizer_groups``): each optimizer steps (``step()`` then
+      ``zero_grad(set_to_none=True)``) once every one of its parameters has its gradient; at most about a
+      group's gradient is held. A group some of whose parameters got no gradient steps at the end of
+      the pass, without them (as an unfused optimizer skips a parameter whose ``.grad`` is None).
+    * ``max_grad_norm``: ``clip_grad_norm_`` over all trainable parameters with the whole step's norm
+      (kohya's fused paths clip each tensor on its own; this is the unfused semantics).
+    * ``scaler``: a :class:`library.loss_scaling.LossScaler`; the loss given to :meth:`measure` is then
+      the scaled one. ``cosine``: keep the previous step's gradient for the cosine log (a flat float32
+      buffer as large as the trainable parameters: the memory of one full gradient). ``unscaled``:
+      ``--grad_norm_unscaled``. ``backward``: how to run a backward (default ``tensor.backward``).
+
+    Outside :meth:`measure`/:meth:`apply`/:meth:`discard` the hooks do nothing (a backward elsewhere
+    accumulates gradients as usual). Single process only: all-reducing gradients that are dropped as
+    they appear is not supported.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, per_parameter: bool,
+                 max_grad_norm: float | None = None, scaler: Any = None, cosine: bool = False,
+                 unscaled: bool = False, rounding_seed: int = 0, backward: Backward | None = None) -> None:
+        distributed = torch.distributed
+        if distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1:
+            raise UserError("--fused_backward_pass / --fused_optimizer_groups work with one process only "
+                            f"(this run has {distributed.get_world_size()})")
+        if per_parameter and len(optimizers) != 1:
+            raise ValueError("per_parameter fusing takes one optimizer")
+        self.optimizers = list(optimizers)
+        self.per_parameter = per_parameter
+        self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
+        self.scaler = scaler
+        self.cosine = cosine
+        self.unscaled = unscaled
+        self.rounding_seed = int(rounding_seed)
+        self._backward = backward or (lambda tensor, retain: tensor.backward(retain_graph=retain))
+
+        # (parameter, its optimizer index, its group) in optimizer/group order: the order clip_grad_norm_
+        # and the guard see the parameters in an unfused step.
+        self._entries: list[tuple[torch.Tensor, int, dict[str, Any]]] = []
+        seen: set[int] = set()
+        for optimizer_index, optimizer in enumerate(self.optimizers):
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if parameter.requires_grad and id(parameter) not in seen:
+                        seen.add(id(parameter))
+                        self._entries.append((parameter, optimizer_index, group))
+        devices = {parameter.device for parameter, _, _ in self._entries}
+        if len(devices) > 1:
+            raise ValueError(f"FusedBackward needs the trainable parameters on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.parameters = [parameter for parameter, _, _ in self._entries]
+        self.numel = sum(parameter.numel() for parameter in self.parameters)
+        self._group_sizes = [0] * len(self.optimizers)
+        for _, optimizer_index, _ in self._entries:
+            self._group_sizes[optimizer_index] += 1
+        self._stochastic_rounding = per_parameter and _is_adafactor(self.optimizers[0])
+        self._generator = torch.Generator(device=self.device) if self._stochastic_rounding else None
+
+        # The guard's bookkeeping (previous gradient for the cosine, one-sync conclusion, state) is the
+        # unfused monitor's; only the per-gradient reads happen here, in the hooks.
+        self._monitor = GradientMonitor(self.parameters, cosine=cosine, unscaled=unscaled)
+        self._previous_views = self._monitor.previous_views() if cosine else []
+        self._guard_norms = torch.zeros(len(self._entries), dtype=torch.float32, device=self.device)
+        self._dots = torch.zeros(len(self._entries), dtype=torch.float32, device=self.device) if cosine else None
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._apply_found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._inverse_scale: torch.Tensor | None = None
+        self._clip_norms: dict[int, torch.Tensor] = {}
+        self._clip_coefficient: torch.Tensor | None = None
+        self._received = [False] * len(self._entries)
+        self._pending_counts = [0] * len(self.optimizers)
+        self._pending: tuple[torch.Tensor, Any] | None = None  # (loss tensor, RNG state) between the passes
+        self._mode: str | None = None
+        self.overflow = False
+        """Whether the last :meth:`measure` found an inf/NaN unscaled gradient (always False without a scaler)."""
+        self.peak_gradient_bytes = 0
+        """The most gradient bytes the hooks held at once in the last :meth:`apply` (groups awaiting their step)."""
+        self._held_bytes = 0
+        self._handles = [parameter.register_post_accumulate_grad_hook(self._hook(index))
+                         for index, parameter in enumerate(self.parameters)]
+
+    # -- the step
+    def measure(self, loss: torch.Tensor, *, loss_value: torch.Tensor | None = None,
+                riders: torch.Tensor | None = None) -> GradientMeasurement:
+        """First pass: ``backward(loss, retain_graph=True)`` measuring each gradient and dropping it.
+        ``loss``: what the unfused step would backward (the scaled loss with a scaler). ``loss_value``
+        (0-dim) and ``riders`` (1-D) are read in the same single host sync, as
+        :meth:`library.grad_guard.GradientMonitor.measure` does; the result has its meaning. Follow it
+        with exactly one of :meth:`apply` or :meth:`discard`."""
+        if self._pending is not None:
+            raise RuntimeError("FusedBackward.measure() called twice without apply() or discard() in between")
+        if any(parameter.grad is not None for parameter in self.parameters):
+            raise RuntimeError("FusedBackward.measure() needs the gradients cleared (a backward outside it "
+                               "accumulated into them)")
+        self._guard_norms.zero_()
+        if self._dots is not None:
+            self._dots.zero_()
+        self._found_inf.zero_()
+        self._clip_norms.clear()
+        self._received = [False] * len(self._entries)
+        scale = self.scaler.get_scale_tensor() if self.scaler is not None else None
+        if scale is not None:
+            self._inverse_scale = scale.double().reciprocal().float().to(self.device)  # as LossScaler.unscale_
+        rng_state = _rng_state()
+        self._run("measure", loss, retain=True)
+        self._pending = (loss, rng_state)
+        if self.cosine:
+            for index, received in enumerate(self._received):
+                if not received:  # no gradient counts as zero, as in GradientMonitor
+                    self._previous_views[index].zero_()
+        self._clip_coefficient = self._whole_step_clip_coefficient()
+
+        guard_norm = torch.linalg.vector_norm(self._guard_norms)
+        dot = self._dots.sum() if self._dots is not None and self._monitor.has_previous else None
+        # the overflow flag rides first among the riders: the same single host sync
+        flags = self._found_inf.reshape(1)
+        if riders is not None:
+            flags = torch.cat([flags, riders.detach().reshape(-1).to(self.device, torch.float32)])
+        measured = self._monitor.conclude(guard_norm, dot, scale, loss_value, flags)
+        self.overflow = measured.riders[0] > 0
+        return dataclasses.replace(measured, riders=measured.riders[1:])
+
+    def apply(self) -> bool:
+        """Second pass: unscale, clip with the whole step's coefficient, step and drop each gradient. With
+        a scaler, first tells it the step's overflow bit (``record_step``); on an overflow nothing is
+        updated (the pass only frees the graph) and False is returned. Call ``scaler.update()`` after."""
+        if self._pending is None:
+            raise RuntimeError("FusedBackward.apply() needs measure() first")
+        if self.scaler is not None and not self.scaler.record_step(self.overflow):
+            self.discard()
+            return False
+        loss, rng_state = self._pending
+        self._pending = None
+        state_sizes = [len(optimizer.state) for optimizer in self.optimizers]
+        self._pending_counts = [0] * len(self.optimizers)
+        self._held_bytes = self.peak_gradient_bytes = 0
+        _set_rng_state(rng_state)
+        self._run("apply", loss, retain=False)
+        for optimizer_index, count in enumerate(self._pending_counts):
+            if count:  # a group some of whose parameters got no gradient
+                self._step_group(optimizer_index)
+        if self.per_parameter and len(self.optimizers[0].state) != state_sizes[0]:
+            _order_state(self.optimizers[0], self.parameters)
+        return True
+
+    def discard(self) -> None:
+        """Second pass that only drops the gradients: frees the retained graph, changes nothing (a step the
+        guard or the healing policy skips; the scaler is not told)."""
+        if self._pending is None:
+            raise RuntimeError("FusedBackward.discard() needs measure() first")
+        loss, rng_state = self._pending
+        self._pending = None
+        _set_rng_state(rng_state)
+        self._run("discard", loss, retain=False)
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters then train unfused)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- state (the cosine log's previous gradient; optimizers save their own)
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`library.grad_guard.GradientMonitor.state_dict`'s (the cosine log's previous gradient): a
+        state saved by either loads in either."""
+        return self._monitor.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._monitor.load_state_dict(state)
+
+    # -- internals
+    def _run(self, mode: str, loss: torch.Tensor, retain: bool) -> None:
+        self._mode = mode
+        try:
+            self._backward(loss, retain)
+        finally:
+            self._mode = None
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(parameter: torch.Tensor) -> None:
+            if self._mode == "measure":
+                self._measure_one(index, parameter)
+            elif self._mode == "apply":
+                self._apply_one(index, parameter)
+            elif self._mode == "discard":
+                parameter.grad = None
+        return hook
+
+    @torch.no_grad()
+    def _measure_one(self, index: int, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if grad.is_sparse:
+            raise RuntimeError("fused backward does not support sparse gradients")
+        self._received[index] = True
+        flat = grad.reshape(-1)
+        self._guard_norms[index] = _flat_norm(flat)  # the guard's norm: the scaled gradient
+        if self._dots is not None:
+            previous = self._previous_views[index]
+            if self._monitor.has_previous:
+                self._dots[index] = torch.dot(flat.float(), previous)
+            previous.copy_(flat)
+        if self.scaler is not None:  # the scaler's check, on a gradient that is dropped next anyway
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], self._found_inf, self._inverse_scale)
+        if self.max_grad_norm is not None:
+            self._clip_norms[index] = torch._foreach_norm([grad], 2.0)[0]  # as clip_grad_norm_, unscaled
+        parameter.grad = None
+
+    @torch.no_grad()
+    def _apply_one(self, index: int, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if self.scaler is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], self._apply_found_inf, self._inverse_scale)
+        if self._clip_coefficient is not None:
+            torch._foreach_mul_([grad], self._clip_coefficient)
+        _, optimizer_index, group = self._entries[index]
+        if self.per_parameter:
+            self._held_bytes = grad.numel() * grad.element_size()
+            self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes)
+            self._step_parameter(index, parameter, group)
+            parameter.grad = None
+            return
+        self._held_bytes += grad.numel() * grad.element_size()
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes)
+        self._pending_counts[optimizer_index] += 1
+        if self._pending_counts[optimizer_index] == self._group_sizes[optimizer_index]:
+            self._step_group(optimizer_index)
+
+    def _step_group(self, optimizer_index: int) -> None:
+        optimizer = self.optimizers[optimizer_index]
+        optimizer.step()
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    self._held_bytes -= parameter.grad.numel() * parameter.grad.element_size()
+        optimizer.zero_grad(set_to_none=True)
+        self._pending_counts[optimizer_index] = 0
+
+    def _step_parameter(self, index: int, parameter: torch.Tensor, group: dict[str, Any]) -> None:
+        optimizer = self.optimizers[0]
+        if not (self._stochastic_rounding and parameter.dtype == torch.bfloat16):
+            step_one_parameter(optimizer, group, parameter)
+            return
+        # bf16 weight: Adafactor updates a float32 copy (the copy it makes anyway), which is then rounded
+        # stochastically instead of to nearest. The state stays keyed by the parameter.
+        working = parameter.detach().float()
+        working.grad = parameter.grad.float()  # exact; Adafactor makes this copy itself otherwise
+        state = optimizer.state[parameter]
+        optimizer.state[working] = state
+        try:
+            step_one_parameter(optimizer, group, working)
+        finally:
+            del optimizer.state[working]
+            working.grad = None
+        self._generator.manual_seed(_rounding_seed(self.rounding_seed, index, int(state.get("step", 0))))
+        stochastic_round_to_bfloat16_(parameter.data, working, self._generator)
+
+    def _whole_step_clip_coefficient(self) -> torch.Tensor | None:
+        """``clip_grad_norm_``'s coefficient from the per-parameter norms, combined as it combines them
+        (grouped by dtype in first-seen order, parameter order within a group)."""
+        if self.max_grad_norm is None or not self._clip_norms:
+            return None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for index in sorted(self._clip_norms):
+            norm = self._clip_norms[index]
+            by_dtype.setdefault(self.parameters[index].dtype, []).append(norm)
+        norms = [norm for group in by_dtype.values() for norm in group]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+
+
+def _order_state(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:
+    """Put the optimizer's per-parameter states in parameter order (the backward creates them in its own
+    order), so that ``state_dict()`` lists them as an unfused optimizer's does."""
+    state = optimizer.state
+    ordered = [(parameter, state[parameter]) for parameter in parameters if parameter in state]
+    placed = {id(parameter) for parameter, _ in ordered}
+    others = [(key, value) for key, value in state.items() if id(key) not in placed]
+    state.clear()
+    state.update(ordered)
+    state.update(others)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
