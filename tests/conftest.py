@@ -11,6 +11,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import gc  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -60,6 +61,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "device" not in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def imported_objects_frozen() -> None:
+    """The trainer and what it imports (torch, diffusers, transformers: ~500k objects) leave the garbage
+    collector's scans (``gc.freeze``): every training calls ``gc.collect()`` (as kohya's, to free the caching's
+    models), which would scan them all, ~0.3 s of CPU each time, hundreds of times per worker. Objects the tests
+    create are collected as before; the frozen ones are long-lived modules."""
+    import sdxl_train_network  # noqa: F401
+    import train_network  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def full_matrix() -> bool:
