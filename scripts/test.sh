@@ -9,6 +9,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Time: CI took 44 minutes (2643 s) on a fresh 2-core machine with a cold inductor cache before the slow
 # matrices were cut to their distinct cases (`--full_matrix` runs them whole) and the imported objects were
 # frozen for the garbage collector; those cut ~4 CPU-minutes (CPU time measured per test file), so expect
-# about 40 minutes: over the 15-minute target. --durations lists the slowest tests for the next cuts.
+# about 40 minutes (an estimate: CI's 44 less the cuts), over the 15-minute target. --durations lists the
+# slowest tests for the next cuts.
 # Extra arguments come after, so `-n 0` runs it in one process.
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 "$@"
