@@ -65,13 +65,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def imported_objects_frozen() -> None:
-    """The trainer and what it imports (torch, diffusers, transformers: ~500k objects) leave the garbage
-    collector's scans (``gc.freeze``): every training calls ``gc.collect()`` (as kohya's, to free the caching's
-    models), which would scan them all, ~0.3 s of CPU each time, hundreds of times per worker. Objects the tests
-    create are collected as before; the frozen ones are long-lived modules."""
-    import sdxl_train_network  # noqa: F401
-    import train_network  # noqa: F401
-
+    """What the collected test modules imported (the trainer, torch, diffusers, transformers: ~500k objects in a
+    full run) leaves the garbage collector's scans (``gc.freeze``): every training calls ``gc.collect()`` (as
+    kohya's, to free the caching's models), which would scan them all, ~0.3 s of CPU each time, hundreds of times
+    per worker. Objects the tests create are collected as before; the frozen ones are long-lived modules."""
     gc.collect()
     gc.freeze()
 
