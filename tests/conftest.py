@@ -11,6 +11,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import gc  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -23,6 +24,9 @@ torch.set_num_threads(1)
 
 # Where the device-relevant tests run (``--device``, or TEST_DEVICE): cpu (default, CI) or cuda.
 DEVICE = "cpu"
+# ``--full_matrix``: the slow matrices (every network type x kind / precision) run every case, not only the
+# cases CI runs (one per distinct code path), so the suite stays short.
+FULL_MATRIX = False
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,14 +35,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="cpu (default): everything on CPU, a GPU is hidden even where there is one. cuda: run only the "
              "tests marked 'device' (autocast + loss scaler, the guard's norms, trainings, sampling, kill + "
              "resume) with their tensors and trainings on CUDA.")
+    parser.addoption(
+        "--full_matrix", action="store_true", default=False,
+        help="run every case of the slow matrices (each network type on SD 1.5 and SDXL, in fp16 and bf16); "
+             "by default they run the cases of distinct code paths only")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global DEVICE
+    global DEVICE, FULL_MATRIX
     config.addinivalue_line("markers", "device: device-relevant; runs on CUDA with --device cuda")
     config.addinivalue_line("markers", "slow: minutes on 2 CPU cores (every network type trained or converted); "
                                        "-m 'not slow' leaves them out")
     DEVICE = config.getoption("--device")
+    FULL_MATRIX = config.getoption("--full_matrix")
     if DEVICE == "cpu":
         # Before the first CUDA call, so in-process trainings and their subprocesses stay on CPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -52,6 +61,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "device" not in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def imported_objects_frozen() -> None:
+    """What the collected test modules imported (the trainer, torch, diffusers, transformers: ~500k objects in a
+    full run) leaves the garbage collector's scans (``gc.freeze``): every training calls ``gc.collect()`` (as
+    kohya's, to free the caching's models), which would scan them all, ~0.3 s of CPU each time, hundreds of times
+    per worker. Objects the tests create are collected as before; the frozen ones are long-lived modules."""
+    gc.collect()
+    gc.freeze()
+
+
+def full_matrix() -> bool:
+    """Whether ``--full_matrix`` was given (read when a test module is collected, after the options)."""
+    return FULL_MATRIX
 
 
 @pytest.fixture

@@ -1,7 +1,10 @@
 """networks/convert_to_lora.py on every network type, SD 1.5 and SDXL: the errors it prints are those of the file it
 writes (recomputed here from the original and the written file with this file's own code: weights with bias
 changes and norm layers, and the layers' outputs on the documented probe inputs), and the converted file is read
-back by our own loader (the trainer's --network_weights --dim_from_weights) and merge tool (merge_lora.py)."""
+back by our own loader (the trainer's --network_weights --dim_from_weights) and merge tool (merge_lora.py).
+
+CI converts every type once, on SD 1.5 or SDXL (each kind gets types of every family; LyCORIS Full on both),
+so the suite stays short; ``pytest --full_matrix`` runs every type on both kinds."""
 from __future__ import annotations
 
 import math
@@ -11,7 +14,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cast_models
+from conftest import cast_models, full_matrix
 from test_convert_to_lora import random_network_file
 
 import sdxl_train_network
@@ -20,6 +23,12 @@ from library import checkpoint_keys, model_loading
 from networks import convert_to_lora, merge_lora, network_base, registry
 
 LABELS = list(registry.EXAMPLE_NETWORKS)
+# The (type, kind) cases CI runs: each type once, the kinds alternating over the families (LoRA, LoHa, LoKr,
+# OFT, ...), LyCORIS Full (bias changes, norm layers, modules outside kohya's blocks) on both.
+SDXL_CASES = ("networks.lora (LoCon)", "networks.lora_fa", "networks.lokr", "lycoris locon", "lycoris loha",
+              "lycoris glora", "lycoris diag-oft", "lycoris full")
+CASES = [(label, kind) for label in LABELS for kind in ("sd15", "sdxl")
+         if full_matrix() or (kind == "sdxl") == (label in SDXL_CASES) or label == "lycoris full"]
 PRINT_ROUNDING = 1e-6  # the converter prints 6 significant digits of numbers below 1 (the issue's bound)
 
 
@@ -87,20 +96,20 @@ def printed_errors(output: str) -> tuple[dict[str, tuple[float, float]], tuple[f
     return modules, (float(overall.group(1)), float(overall.group(2)))
 
 
-def trainer_loads(tiny_models, kind: str, path) -> network_base.AdapterNetwork:
-    """What ``--network_module networks.lora --network_weights PATH --dim_from_weights`` builds in the trainer."""
+def trainer_loads(tiny_models, kind: str, path, models) -> network_base.AdapterNetwork:
+    """What ``--network_module networks.lora --network_weights PATH --dim_from_weights`` builds in the trainer
+    on ``models`` (not applied: the models are unchanged)."""
     script, trainer = ((sdxl_train_network, sdxl_train_network.SdxlNetworkTrainer) if kind == "sdxl"
                        else (train_network, train_network.NetworkTrainer))
     args = script.setup_parser().parse_args([
         "--pretrained_model_name_or_path", str(tiny_models[f"{kind}_file"]), "--model_config_dir",
         str(tiny_models[f"{kind}_config"]), "--output_dir", "unused", "--network_module", "networks.lora",
         "--network_weights", str(path), "--dim_from_weights"])
-    return trainer().create_network(args, load(tiny_models, kind))
+    return trainer().create_network(args, models)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
-@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize(("label", "kind"), CASES)
 def test_printed_error_is_the_written_files_and_our_tools_read_it(label, kind, tiny_models, tmp_path, capsys):
     models = load(tiny_models, kind)
     source, converted = tmp_path / "net.safetensors", tmp_path / "lora.safetensors"
@@ -156,10 +165,8 @@ def test_printed_error_is_the_written_files_and_our_tools_read_it(label, kind, t
     modules = network_base.group_by_module(weights)
     if kind == "sd15" and label == "lycoris full":  # the issue's case: outside kohya's target blocks
         assert {"lora_unet_conv_in", "lora_unet_conv_out", "lora_unet_time_embedding_linear_1"} <= set(modules)
-    loaded = trainer_loads(tiny_models, kind, converted)
+    # (merge_lora.py's main merges with merge_into_models; its command line and saving: test_merge_lora.py)
+    base = load(tiny_models, kind)
+    loaded = trainer_loads(tiny_models, kind, converted, base)
     assert {lora.lora_name for lora in loaded.all_loras()} == set(modules)
-    merged_file = tmp_path / "merged.safetensors"
-    merge_lora.main(["--sd_model", str(tiny_models[f"{kind}_file"]), "--model_config_dir",
-                     str(tiny_models[f"{kind}_config"]), "--save_to", str(merged_file), "--models", str(converted)])
-    assert merged_file.is_file()
-    assert merge_lora.merge_into_models(load(tiny_models, kind), [str(converted)], [1.0]) == len(modules)
+    assert merge_lora.merge_into_models(base, [str(converted)], [1.0]) == len(modules)

@@ -13,13 +13,22 @@ not one of the shipped full-size configs, and these tabs have no field for extra
 models need none): Merge with an SD model and Extract load a checkpoint, and Merge (SVD) builds the
 LoRA's modules on an empty model of the files' kind.
 
+Every script file runs as the GUI launches it (a subprocess with the GUI's environment) at least once: on SDXL for
+the tabs whose script is the same for both kinds, where SD 1.5's command runs the same file in this process (as
+``__main__``, the GUI's argv and working folder): a launch costs ~15 s of CPU for the imports alone (diffusers
+imports bitsandbytes, which imports torch's compiler). The Merge tabs run a different file per kind, and Verify's
+output streams are checked: subprocesses for both kinds.
+
 Outputs are checked on real code paths: every module of a LoRA file is built on the tiny model by
 ``networks.registry.network_from_file`` (what merging and --network_weights use), deltas and ranks
 against the inputs, checkpoints loaded back by ``library.model_loading``.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +90,8 @@ EXTRACT_DYLORA = ["{python}", "{sd_scripts}/networks/extract_lora_from_dylora.py
 VERIFY = ["{python}", "{sd_scripts}/networks/check_lora_weights.py", "{locon}"]
 
 KINDS = ("sd15", "sdxl")
+# The kind whose commands of the same-file tabs run in this process (the other launches the file as the GUI does).
+IN_PROCESS_KIND = "sd15"
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +123,39 @@ def inputs(tiny_models, demo_dataset, tmp_path_factory) -> dict[str, dict[str, P
     return result
 
 
-def run_gui_command(template: list[str], files: dict[str, Path], out: Path, *extra: str
+def run_gui_command(template: list[str], files: dict[str, Path], out: Path, *extra: str, in_process: bool = False
                     ) -> subprocess.CompletedProcess:
-    """The GUI's argv with paths filled in, run as the GUI runs it (its PYTHONPATH, its working folder)."""
+    """The GUI's argv with paths filled in, run as the GUI runs it (its PYTHONPATH, its working folder); with
+    ``in_process``, the same script file as ``__main__`` in this process, with that argv and working folder."""
     values = {"python": sys.executable, "sd_scripts": str(REPO), "out": str(out),
               **{key: str(value) for key, value in files.items()}}
     argv = [part.format(**values) for part in template] + list(extra)
     gui_dir = out / "kohya_ss"
     gui_dir.mkdir(exist_ok=True)
+    if in_process:
+        return run_script_in_process(argv, gui_dir)
     env = {**SCRIPT_ENV, "PYTHONPATH": os.pathsep.join([str(gui_dir), str(REPO), SCRIPT_ENV.get("PYTHONPATH", "")])}
     result = subprocess.run(argv, cwd=gui_dir, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result
+
+
+def run_script_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``argv`` (interpreter, script, arguments) with the script run as ``__main__`` here; it must exit with 0."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_argv, saved_cwd, code = sys.argv, os.getcwd(), 0
+    try:
+        sys.argv = argv[1:]
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(argv[1], run_name="__main__")
+    except SystemExit as exited:
+        code = exited.code or 0
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+    assert code == 0, (stdout.getvalue() + stderr.getvalue())[-3000:]
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
 def save_to(result: subprocess.CompletedProcess) -> Path:
@@ -197,7 +229,8 @@ def test_merge_tab_loras_into_one(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_extract_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    out = save_to(run_gui_command(EXTRACT[kind], files, tmp_path, "--model_config_dir", str(files["config"])))
+    out = save_to(run_gui_command(EXTRACT[kind], files, tmp_path, "--model_config_dir", str(files["config"]),
+                                  in_process=kind == IN_PROCESS_KIND))
     modules = lora_modules(read_lora_file(str(out)))
     assert modules and built_on_tiny_model(kind, files, out) == len(modules)
     assert max(ranks(modules).values()) <= 8 and dtypes(out) == {torch.float16}
@@ -208,7 +241,8 @@ def test_extract_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_svd_merge_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    out = save_to(run_gui_command(SVD_MERGE, files, tmp_path, "--model_config_dir", str(files["config"])))
+    out = save_to(run_gui_command(SVD_MERGE, files, tmp_path, "--model_config_dir", str(files["config"]),
+                                  in_process=kind == IN_PROCESS_KIND))
     modules = lora_modules(read_lora_file(str(out)))
     a, b = lora_modules(read_lora_file(str(files["lora_a"]))), lora_modules(read_lora_file(str(files["locon"])))
     assert set(modules) == set(a) | set(b) and built_on_tiny_model(kind, files, out) == len(modules)
@@ -232,7 +266,7 @@ def test_svd_merge_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_resize_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    out = save_to(run_gui_command(RESIZE, files, tmp_path))
+    out = save_to(run_gui_command(RESIZE, files, tmp_path, in_process=kind == IN_PROCESS_KIND))
     modules, source = lora_modules(read_lora_file(str(out))), lora_modules(read_lora_file(str(files["locon"])))
     assert set(modules) == set(source) and built_on_tiny_model(kind, files, out) == len(modules)
     assert max(ranks(modules).values()) <= 4 and dtypes(out) == {torch.float16}
@@ -241,7 +275,7 @@ def test_resize_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_extract_dylora_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    run_gui_command(EXTRACT_DYLORA, files, tmp_path)
+    run_gui_command(EXTRACT_DYLORA, files, tmp_path, in_process=kind == IN_PROCESS_KIND)
     # as kohya's script: one file per multiple of --unit below the rank, named <save_to stem>-<rank:04d>
     assert sorted(path.name for path in tmp_path.glob("from_dylora*")) == ["from_dylora-0004.safetensors"]
     out = tmp_path / "from_dylora-0004.safetensors"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (TRAIN_SCRIPTS, cast_models, merge_rounding_bound, model_args, model_outputs, run_trainer,
-                      train_expecting_user_error, trainings_run_once)
+from conftest import (TRAIN_SCRIPTS, cast_models, full_matrix, merge_rounding_bound, model_args, model_outputs,
+                      run_trainer, train_expecting_user_error, trainings_run_once)
 
 from library import checkpoint_keys, model_loading
 from library.errors import UserError
@@ -444,8 +444,14 @@ def trained(tiny_models, one_image_dataset, tmp_path_factory):
         tiny_models, one_image_dataset, kind, variant, output_dir))
 
 
-@pytest.mark.parametrize("algo", GUI_ARGS)
-@pytest.mark.parametrize("kind", ["sdxl", "sd15"])
+# The (algo, kind) trainings CI checks: every algo once, on the kind whose training the other tests use too
+# (DyLoRA on both); ``pytest --full_matrix`` trains every algo on both kinds.
+SD15_GUI_ALGOS = ("locon", "loha", "glora", "dylora")
+GUI_CASES = [(algo, kind) for kind in ("sdxl", "sd15") for algo in GUI_ARGS
+             if full_matrix() or (kind == "sd15") == (algo in SD15_GUI_ALGOS) or algo == "dylora"]
+
+
+@pytest.mark.parametrize(("algo", "kind"), GUI_CASES)
 def test_each_gui_lycoris_type_trains_and_writes_kohyas_file(algo, kind, trained):
     output_dir = trained(algo, kind)
     losses = [json.loads(line)["loss/current"] for line in (output_dir / "log.jsonl").read_text().splitlines()]
