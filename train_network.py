@@ -340,6 +340,8 @@ class NetworkTrainer:
                 lr_finder.find(self, run)
                 if args.find_lr_only:
                     return
+            if run.validator is None:  # the effect monitor measures on a fixed probe of training images instead
+                run.effect.probe = lora_effect.training_probe(self, run)
             self.after_start(run)
             for window in run.data.windows(run.progress, args.max_train_steps,
                                            lambda: run.outputs.stop.requested or best_checkpoint.stopped(run.best),
@@ -611,6 +613,7 @@ class NetworkTrainer:
                            overflows=scaler.overflow_count if scaler else None,
                            extra={**debiased_scalars(run), **run.effect.check(
                                result.step, guard_skipped=optimization.guard.skipped_steps,
+                               guard_window=optimization.guard.window,
                                scaler_skipped=scaler.overflow_count if scaler else 0,
                                learning_rates=result.learning_rates)})
 
