@@ -187,7 +187,8 @@ def test_does_nothing_when_the_guard_skips_every_step_names_the_guard(tiny_model
                              "--skip_grad_norm_max", "1e-12", "--debug_inject_grad", "1=inf", "2=inf")
     assert len(lines) == 1 and "the gradient guard skipped every step (2 of 2)" in lines[0]
     assert "--skip_grad_norm_max 1e-12" in lines[0]
-    assert rows_with(rows, "effect/weight_rel_max") == {2: 0.0, 4: 0.0, 6: 0.0, 8: 0.0}
+    changes = rows_with(rows, "effect/weight_rel_max")  # steps 3-8 (finite gradients) train
+    assert list(changes) == [2, 4, 6, 8] and changes[2] == 0.0 and changes[4] > 0
 
 
 def test_a_tiny_guard_limit_is_named_by_the_first_check(tiny_models, three_images, tmp_path, capsys):
