@@ -331,6 +331,11 @@ class GradGuard:
         self.skipped_steps = 0
 
     @property
+    def window(self) -> tuple[float, ...]:
+        """The gradient norms in the window now, oldest first (its limits act once it holds ``WINDOW_SIZE``)."""
+        return tuple(self._window)
+
+    @property
     def options(self) -> NanInfOptions:
         """The NaN/Inf options in force for the next step."""
         return self._options

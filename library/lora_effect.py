@@ -11,30 +11,42 @@ At every validation (docs/know_your_lora.md) the monitor logs
 * ``effect/weight_rel_median`` / ``effect/weight_rel_max``: ``||delta W||_F / ||W||_F`` over the
   adapted modules. For a LoRA, ``||up @ down||_F`` comes from two rank x rank Gram matrices
   (``sqrt(sum((U^T U) * (D D^T)))``), without forming delta W; types with a ``delta_weight()``
-  (LoHa, LoKr) use it; others the merged weight minus the base.
+  (LoHa, LoKr) use it; others (every LyCORIS algo included) the merged weight minus the base
+  (``network.frozen_weight``), in float32 whatever the base weight's dtype. A module whose type
+  cannot give it is left out with one line; the monitor never stops training.
+
+Without a validation split the output and loss figures come from a fixed probe of training images
+(:class:`TrainingProbe`: ``effect/probe_rel`` instead of ``effect/val_rel``) at the check steps.
 
 The weight ratios need no forward pass, so they are also what the "does nothing" check reads, with
 or without validation, at step ``min(50, ceil(max_train_steps / 4))`` and its multiples (logged
-there too), until it warned once: when the median ratio is below ``DOES_NOTHING_FLOOR`` (1e-6) the
+there, with the probe's figures), until it warned once: when the median ratio is below ``DOES_NOTHING_FLOOR`` (1e-6) the
 warning names the likely cause from what the run knows: every step skipped by the gradient guard,
 or by the loss scaler; weights that received no update at all though steps were taken (the LoRA is
 not in the model's forward, or the trained part's gradient does not reach it); otherwise a
 learning rate too low. A later check also warns when the guard skipped every step since the
-previous one (the LoRA stopped learning). Measured values: docs/know_your_lora.md.
+previous one (the LoRA stopped learning), and the first check warns ahead when every gradient norm
+so far is above ``--skip_grad_norm_max``, which the guard applies from its 200th norm on (then it
+skips every step). Measured values: docs/know_your_lora.md.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
+from library import grad_guard, validation
+
 
 DOES_NOTHING_FLOOR = 1e-6  # median ||delta W|| / ||W|| below this: the LoRA does nothing (docs/know_your_lora.md)
 CHECK_STEP_CAP = 50  # the "does nothing" check happens by this step at the latest
+PROBE_BATCHES = 1  # training batches of the probe without a validation split (its cost: docs/know_your_lora.md)
 
 
 def check_step(max_train_steps: int) -> int:
@@ -72,7 +84,8 @@ class EffectMonitor:
         self._last_check = (0, 0)  # (step, guard skips) at the previous check
         self._measured: Optional[list[torch.nn.Module]] = None  # the modules whose weight change is measured
         self._base_norms: Optional[torch.Tensor] = None  # their ||W||
-        self._skipped = 0  # modules left out (their type cannot give the weight change)
+        self.skipped_modules = 0  # modules left out (their type cannot give the weight change)
+        self.probe: Optional[TrainingProbe] = None  # without a validation split: the fixed training probe
         self._base_outputs: Optional[list[torch.Tensor]] = None
         self._base_loss: Optional[tuple[float, dict[int, float]]] = None
 
@@ -109,8 +122,8 @@ class EffectMonitor:
         try:
             return compute().float().reshape(())
         except (RuntimeError, AttributeError, TypeError, ValueError, NotImplementedError) as error:
-            self._skipped += 1
-            if self._skipped == 1 and self.is_main_process:
+            self.skipped_modules += 1
+            if self.skipped_modules == 1 and self.is_main_process:
                 tqdm.write(f"effect monitor: the weight change of {lora.lora_name} ({type(lora).__name__}) cannot be "
                            f"measured ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                            f"such modules are left out of effect/weight_rel_*")
@@ -123,19 +136,23 @@ class EffectMonitor:
         return {"effect/weight_rel_median": ratios.median().item(), "effect/weight_rel_max": ratios.max().item()}
 
     # -- the "does nothing" check ------------------------------------------------------------
-    def check(self, step: int, *, guard_skipped: int, scaler_skipped: int, learning_rates: list[float]
-              ) -> dict[str, float]:
-        """At the check step and its multiples, until one warned: the weight scalars (logged with the
-        step's), and the warning line (printed once, kept in ``warning``) when the LoRA does nothing,
-        or when the guard skipped every step since the previous check (the LoRA stopped learning)."""
-        if self.warning is not None or step % self.check_at:
+    def check(self, step: int, *, guard_skipped: int, scaler_skipped: int, learning_rates: list[float],
+              guard_window: Sequence[float] = ()) -> dict[str, float]:
+        """At the check step and its multiples: the weight scalars and, without a validation split, the
+        training probe's (logged with the step's); until one warned, the warning line (printed once,
+        kept in ``warning``) when the LoRA does nothing, or when the guard skipped every step since the
+        previous check (the LoRA stopped learning), or when the guard will skip every step once its
+        window is full (``guard_window``: its norms now). Every process calls it (the probe reduces)."""
+        if step % self.check_at:
             return {}
+        scalars = self.probe_scalars() if self.probe is not None else {}
         ratios = self.weight_ratios()
-        if not len(ratios):  # no module's weight change can be measured (the line said why): no check
-            self.check_at = math.inf
-            return {}
+        if not len(ratios):  # no module's weight change can be measured (a line said why): no check
+            return scalars
         median = ratios.median().item()
-        scalars = {"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()}
+        scalars.update({"effect/weight_rel_median": median, "effect/weight_rel_max": ratios.max().item()})
+        if self.warning is not None:
+            return scalars
         since_step, since_skipped = self._last_check
         self._last_check = (step, guard_skipped)
         if median < DOES_NOTHING_FLOOR:
@@ -145,9 +162,26 @@ class EffectMonitor:
         elif guard_skipped - since_skipped >= step - since_step:
             self.warning = (f"warning: this LoRA stopped learning: the gradient guard skipped every step from step "
                             f"{since_step + 1} to {step}" + self.guard_limit())
+        else:
+            self.warning = self.guard_forecast(step, guard_window)
         if self.warning is not None and self.is_main_process:
             tqdm.write(self.warning)
         return scalars
+
+    def guard_forecast(self, step: int, window: Sequence[float]) -> Optional[str]:
+        """The warning when the guard will skip every step from the step its window fills: every norm so
+        far is above ``--skip_grad_norm_max``, which (kohya's fork's rule, docs/grad_guard_spec.md) acts
+        only from then on; its threshold is then at most the cap, and the skipped steps change nothing,
+        so the norms stay above it. None otherwise."""
+        cap = getattr(self.args, "skip_grad_norm_max", None)
+        if not getattr(self.args, "skip_grad_norm", False) or cap is None or not window \
+                or len(window) >= grad_guard.WINDOW_SIZE or min(window) <= cap:
+            return None
+        return (f"warning: this LoRA will stop learning from about step {step + grad_guard.WINDOW_SIZE - len(window)}: "
+                f"every gradient norm so far ({len(window)}, the smallest {min(window):.3g}) is above "
+                f"--skip_grad_norm_max {cap:g}, which the gradient guard applies once its window holds "
+                f"{grad_guard.WINDOW_SIZE} norms; it will then skip every step. Raise --skip_grad_norm_max above "
+                f"the norms (see --grad_norm_log) or leave it out")
 
     def guard_limit(self) -> str:
         cap = getattr(self.args, "skip_grad_norm_max", None)
@@ -187,19 +221,19 @@ class EffectMonitor:
         finally:
             handle.remove()
 
-    def validation_scalars(self, unet: torch.nn.Module, validate: Callable[[], tuple[float, dict[int, float]]],
-                           value: float, per_timestep: dict[int, float], outputs: list[torch.Tensor],
-                           reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        """The effect scalars of a validation pass (``value``, ``per_timestep``, the UNet ``outputs``
-        captured during it); ``validate()`` re-runs the pass (the base pass, at the first call);
-        ``reduce`` sums a tensor over processes."""
+    def pass_scalars(self, kind: str, unet: torch.nn.Module, rerun: Callable[[], tuple[float, dict[int, float]]],
+                     value: float, per_timestep: dict[int, float], outputs: list[torch.Tensor],
+                     reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The effect scalars of a pass (``kind``: "val" for a validation pass, "probe" for the training
+        probe's; ``value``, ``per_timestep``, the UNet ``outputs`` captured during it); ``rerun()`` repeats
+        the pass (the base pass, at the first call); ``reduce`` sums a tensor over processes."""
         if self._base_outputs is None:
             multiplier = self.network.multiplier
             self._base_outputs = []
             self.network.set_multiplier(0.0)
             try:
                 with self.capturing(unet, self._base_outputs):
-                    self._base_loss = validate()
+                    self._base_loss = rerun()
             finally:
                 self.network.set_multiplier(multiplier)
         base_value, base_per_timestep = self._base_loss
@@ -208,16 +242,28 @@ class EffectMonitor:
         size = sum((float(base.double().square().sum()) for base in self._base_outputs), 0.0)
         difference, size = reduce(torch.tensor([difference, size], dtype=torch.float64)).tolist()
         scalars = {"effect/output_rel": math.sqrt(difference / size) if size else float("nan"),
-                   "effect/val_rel": value / base_value if base_value else float("nan")}
+                   f"effect/{kind}_rel": value / base_value if base_value else float("nan")}
         for timestep, loss in per_timestep.items():
             base = base_per_timestep.get(timestep)
-            scalars[f"effect/val_rel_t{timestep}"] = loss / base if base else float("nan")
-        scalars.update(self.weight_scalars())
+            scalars[f"effect/{kind}_rel_t{timestep}"] = loss / base if base else float("nan")
+        weights = self.weight_scalars()
+        scalars.update(weights)
         if self.is_main_process:
-            tqdm.write(f"effect: output {scalars['effect/output_rel']:.4g} of the base's, validation loss "
-                       f"{scalars['effect/val_rel']:.4f} x the base's, weight change median "
-                       f"{scalars['effect/weight_rel_median']:.3g} max {scalars['effect/weight_rel_max']:.3g}")
+            name = "validation loss" if kind == "val" else "loss on the training probe"
+            tqdm.write(f"effect: output {scalars['effect/output_rel']:.4g} of the base's, {name} "
+                       f"{scalars[f'effect/{kind}_rel']:.4f} x the base's"
+                       + (f", weight change median {weights['effect/weight_rel_median']:.3g} max "
+                          f"{weights['effect/weight_rel_max']:.3g}" if weights else ""))
         return scalars
+
+    def probe_scalars(self) -> dict[str, float]:
+        """The effect scalars on the training probe (``probe``, set when there is no validation split)."""
+        probe = self.probe
+        outputs: list[torch.Tensor] = []
+        with self.capturing(probe.unet, outputs):
+            value, per_timestep = probe.losses(self.network)
+        return self.pass_scalars("probe", probe.unet, lambda: probe.losses(self.network), value, per_timestep,
+                                 outputs, probe.reduce)
 
     def validation_pass(self, unet: torch.nn.Module, validator: Any, kind: str, run_pass: Callable[[], dict[str, float]],
                         batch_loss: Any, accelerator: Any) -> dict[str, float]:
@@ -227,10 +273,49 @@ class EffectMonitor:
         with self.capturing(unet, outputs):
             scalars = run_pass()
         device = accelerator.device
-        scalars.update(self.validation_scalars(
-            unet, lambda: validator.losses(self.network, batch_loss), scalars[f"loss/validation/{kind}_average"],
+        scalars.update(self.pass_scalars(
+            "val", unet, lambda: validator.losses(self.network, batch_loss), scalars[f"loss/validation/{kind}_average"],
             validator.last_per_timestep, outputs, lambda tensor: accelerator.reduce(tensor.to(device), "sum").cpu()))
         return scalars
+
+
+@dataclass
+class TrainingProbe:
+    """Without a validation split, what the monitor measures the effect on: the first ``PROBE_BATCHES``
+    training batches of epoch 1 (the same on a resumed run), at kohya's fixed validation timesteps with
+    validation's keyed noise (``library/validation.py``): like a validation pass, it moves only with the
+    weights and draws from no training random stream."""
+
+    batches: list[dict[str, Any]]
+    timesteps: list[int]
+    seed: int
+    unet: torch.nn.Module
+    batch_loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    accelerator: Any
+
+    def losses(self, network: torch.nn.Module) -> tuple[float, dict[int, float]]:
+        return validation.pass_losses(self.batches, network, self.batch_loss, self.timesteps, self.seed,
+                                      self.accelerator)
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), "sum").cpu()
+
+
+def training_probe(trainer: Any, run: Any) -> TrainingProbe:
+    """The run's :class:`TrainingProbe` (taken before training: the dataset's epoch is set again by the
+    training loop, and the random states are put back)."""
+    from library import lr_finder, train_state
+
+    saved = train_state.rng_state()
+    try:
+        batches = lr_finder.probe_batches(run, PROBE_BATCHES)
+    finally:
+        train_state.set_rng_state(saved)
+    args = run.args
+    timesteps = validation.fixed_timesteps(args.min_timestep, args.max_timestep,
+                                           run.loss.noise_scheduler.config.num_train_timesteps)
+    return TrainingProbe(batches, timesteps, args.seed, run.loss.models.unet,
+                         functools.partial(trainer.validation_loss, run.loss), run.accelerator)
 
 
 def check_written(network: Any, path: str, save_dtype: Optional[torch.dtype]) -> Optional[str]:

@@ -23,6 +23,7 @@ Writes ``<output_name>-lr_find.csv`` (and ``-lr_find.png`` with matplotlib).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -162,45 +163,47 @@ def find(trainer: Any, run: Any) -> Optional[Window]:
     return found
 
 
-def probe_batches(run: Any) -> list[dict[str, Any]]:
-    """The first ``PROBE_BATCHES`` training batches of epoch 1 (the dataset's own draws, RNGs restored later)."""
+def probe_batches(run: Any, count: int = PROBE_BATCHES) -> list[dict[str, Any]]:
+    """The first ``count`` training batches of epoch 1 (the dataset's own draws; the training loop sets
+    the dataset's epoch again before it loads a batch)."""
     from accelerate.utils import send_to_device
 
     dataset = run.data.dataset
     dataset.set_epoch(1, 0)
-    batches = []
-    for index in range(min(PROBE_BATCHES, len(dataset))):
-        batches.append(send_to_device(dataset[index], run.device))
-    return batches
+    return [send_to_device(dataset[index], run.device) for index in range(min(count, len(dataset)))]
 
 
 def probe_loss(trainer: Any, run: Any, batches: list[dict[str, Any]], timesteps: list[int]) -> float:
     """Mean loss over the probe batches at the fixed timesteps (keyed noise), no gradient, adapters in eval."""
-    network = run.network
-    total, count = 0.0, 0
-    network.eval()
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                size = len(batch["sample_indices"])
-                for timestep in timesteps:
-                    loss, weight_sum = trainer.validation_loss(
-                        run.loss, batch, torch.full((size,), timestep, dtype=torch.long),
-                        validation.draw_epoch(timestep), run.args.seed)
-                    if weight_sum > 0:
-                        total += float(loss)
-                        count += 1
-    finally:
-        network.train()
-    totals = run.accelerator.reduce(torch.tensor([total, float(count)], dtype=torch.float64, device=run.device), "sum")
-    total, count = totals.tolist()
-    return total / count if count else math.nan
+    return validation.pass_losses(batches, run.network, functools.partial(trainer.validation_loss, run.loss),
+                                  timesteps, run.args.seed, run.accelerator)[0]
+
+
+def train_step(trainer: Any, run: Any, batch: dict[str, Any], epoch: int) -> float:
+    """One optimizer step on ``batch`` at the optimizer's rates (keyed draws in slot ``epoch``), outside the
+    guard and the healing (clipping and the loss scaler as training); its loss. A non-finite loss: no step."""
+    args, optimization = run.args, run.optimization
+    optimizer, scaler = optimization.optimizer, optimization.scaler
+    loss = trainer.backward_window(run.loss, [batch], epoch, run.accelerator, scaler)
+    sharding.sum_gradients_across_processes(optimization.gradients)
+    train_loss = float(loss)
+    if math.isfinite(train_loss):
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if args.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(optimization.trainable_params, args.max_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return train_loss
 
 
 def ramp(trainer: Any, run: Any) -> tuple[list[FinderRow], float]:
     """The ramp's rows and the base model's probe loss."""
-    args, optimization = run.args, run.optimization
-    optimizer, scaler = optimization.optimizer, optimization.scaler
+    args, optimizer = run.args, run.optimization.optimizer
     batches = probe_batches(run)
     timesteps = validation.fixed_timesteps(args.min_timestep, args.max_timestep,
                                            run.loss.noise_scheduler.config.num_train_timesteps)
@@ -217,21 +220,7 @@ def ramp(trainer: Any, run: Any) -> tuple[list[FinderRow], float]:
         rate = learning_rate_at(index, args.find_lr_steps, args.find_lr_min, args.find_lr_max)
         for group, ratio in zip(optimizer.param_groups, ratios):
             group["lr"] = rate * ratio
-        batch = batches[index % len(batches)]
-        loss = trainer.backward_window(run.loss, [batch], FINDER_EPOCH - index, run.accelerator, scaler)
-        sharding.sum_gradients_across_processes(optimization.gradients)
-        train_loss = float(loss)
-        if math.isfinite(train_loss):
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if args.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(optimization.trainable_params, args.max_grad_norm)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_loss = train_step(trainer, run, batches[index % len(batches)], FINDER_EPOCH - index)
         probe = probe_loss(trainer, run, batches, timesteps) if math.isfinite(train_loss) else math.nan
         rows.append(FinderRow(index + 1, rate, train_loss, probe))
         if not math.isfinite(probe) or probe > UNSTABLE_RATIO * base:

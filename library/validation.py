@@ -20,7 +20,7 @@ possibly partial, epoch, where this trainer validates at completed epochs only.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -134,33 +134,7 @@ class Validation:
 
     def losses(self, network: torch.nn.Module, batch_loss: BatchLoss) -> tuple[float, dict[int, float]]:
         """:meth:`loss` and the mean loss at each fixed timestep (``{timestep: value}``) of the same pass."""
-        device = self.accelerator.device
-        loss_sum, count = torch.zeros((), dtype=torch.float64, device=device), 0
-        timestep_sums = torch.zeros(2, len(self.timesteps), dtype=torch.float64, device=device)  # sums, counts
-        network.eval()
-        try:
-            with torch.no_grad():
-                for batch in self.loader:
-                    batch = send_to_device(batch, device)
-                    size = len(batch["sample_indices"])
-                    for index, timestep in enumerate(self.timesteps):
-                        timesteps = torch.full((size,), timestep, dtype=torch.long)
-                        loss, weight_sum = batch_loss(batch, timesteps, draw_epoch(timestep), self.dataset.seed)
-                        if weight_sum > 0:
-                            loss_sum += loss.double()
-                            count += 1
-                            timestep_sums[0, index] += loss.double()
-                            timestep_sums[1, index] += 1
-        finally:
-            network.train()
-        totals = torch.cat([torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)]),
-                            timestep_sums.flatten()])
-        totals = self.accelerator.reduce(totals, reduction="sum").tolist()
-        loss_sum, count = totals[:2]
-        sums, counts = totals[2:2 + len(self.timesteps)], totals[2 + len(self.timesteps):]
-        per_timestep = {timestep: (total / n if n else float("nan"))
-                        for timestep, total, n in zip(self.timesteps, sums, counts)}
-        return (loss_sum / count if count else float("nan")), per_timestep
+        return pass_losses(self.loader, network, batch_loss, self.timesteps, self.dataset.seed, self.accelerator)
 
     def run(self, kind: str, network: torch.nn.Module, batch_loss: BatchLoss, average_train_loss: float,
             where: str) -> dict[str, float]:
@@ -172,6 +146,40 @@ class Validation:
         if self.accelerator.is_local_main_process:
             tqdm.write(f"validation loss {where}: {value:.6f} (validation - average training loss: {divergence:+.6f})")
         return {f"loss/validation/{kind}_average": value, f"loss/validation/{kind}_divergence": divergence}
+
+
+def pass_losses(batches: Iterable[dict[str, Any]], network: torch.nn.Module, batch_loss: BatchLoss,
+                timesteps: list[int], seed: int, accelerator: Any) -> tuple[float, dict[int, float]]:
+    """The mean loss over every (batch, timestep) on all processes, and the mean at each timestep: a
+    validation pass over ``batches`` (a validation set's, or the effect monitor's probe of training
+    images), with keyed noise and latent draws (``draw_epoch``, ``seed``). ``network`` in eval mode
+    meanwhile; batches in which nothing counts (weight sum 0) are left out."""
+    device = accelerator.device
+    loss_sum, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    timestep_sums = torch.zeros(2, len(timesteps), dtype=torch.float64, device=device)  # sums, counts
+    network.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = send_to_device(batch, device)
+                size = len(batch["sample_indices"])
+                for index, timestep in enumerate(timesteps):
+                    loss, weight_sum = batch_loss(batch, torch.full((size,), timestep, dtype=torch.long),
+                                                  draw_epoch(timestep), seed)
+                    if weight_sum > 0:
+                        loss_sum += loss.double()
+                        count += 1
+                        timestep_sums[0, index] += loss.double()
+                        timestep_sums[1, index] += 1
+    finally:
+        network.train()
+    totals = torch.cat([torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)]),
+                        timestep_sums.flatten()])
+    totals = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, count = totals[:2]
+    sums, counts = totals[2:2 + len(timesteps)], totals[2 + len(timesteps):]
+    per_timestep = {timestep: (total / n if n else float("nan")) for timestep, total, n in zip(timesteps, sums, counts)}
+    return (loss_sum / count if count else float("nan")), per_timestep
 
 
 def create(args: argparse.Namespace, dataset: Optional[TrainDataset], accelerator: Any, num_train_timesteps: int,

@@ -157,7 +157,7 @@ def test_weight_change_of_every_type_on_float16_base_weights(label, half_represe
         for part in parts:
             part.float()
     eps = torch.finfo(torch.float32).eps
-    assert measured.shape == expected.shape and monitor._skipped == 0
+    assert measured.shape == expected.shape and monitor.skipped_modules == 0
     assert expected.min() > 1e-3  # the bound below is far from the values
     torch.testing.assert_close(measured, expected, rtol=64 * eps, atol=eps)
 
@@ -176,8 +176,8 @@ def test_does_nothing_at_learning_rate_1e_9_names_the_rate(tiny_models, three_im
     lines, rows = warning_of(tiny_models, three_images, tmp_path / "out", capsys, "--learning_rate", "1e-9")
     assert len(lines) == 1 and lines[0].startswith("warning: this LoRA does nothing after 2 steps")
     assert "the learning rate is too low (now 1e-09)" in lines[0]
-    medians = rows_with(rows, "effect/weight_rel_median")
-    assert list(medians) == [2] and 0 < medians[2] < lora_effect.DOES_NOTHING_FLOOR
+    medians = rows_with(rows, "effect/weight_rel_median")  # logged at every check step (2, 4, 6, 8)
+    assert list(medians) == [2, 4, 6, 8] and 0 < medians[2] < lora_effect.DOES_NOTHING_FLOOR
 
 
 def test_does_nothing_when_the_guard_skips_every_step_names_the_guard(tiny_models, three_images, tmp_path, capsys):
@@ -187,7 +187,20 @@ def test_does_nothing_when_the_guard_skips_every_step_names_the_guard(tiny_model
                              "--skip_grad_norm_max", "1e-12", "--debug_inject_grad", "1=inf", "2=inf")
     assert len(lines) == 1 and "the gradient guard skipped every step (2 of 2)" in lines[0]
     assert "--skip_grad_norm_max 1e-12" in lines[0]
-    assert rows_with(rows, "effect/weight_rel_max") == {2: 0.0}
+    changes = rows_with(rows, "effect/weight_rel_max")  # steps 3-8 (finite gradients) train
+    assert list(changes) == [2, 4, 6, 8] and changes[2] == 0.0 and changes[4] > 0
+
+
+def test_a_tiny_guard_limit_is_named_by_the_first_check(tiny_models, three_images, tmp_path, capsys):
+    """A tiny --skip_grad_norm_max alone: the guard applies it only once its window holds 200 norms (kohya's
+    fork), so the first 199 steps train; the check at step 2 already says every step will be skipped from
+    step 200 on, and why."""
+    lines, rows = warning_of(tiny_models, three_images, tmp_path / "out", capsys, "--skip_grad_norm",
+                             "--skip_grad_norm_max", "1e-12")
+    assert len(lines) == 1 and lines[0].startswith("warning: this LoRA will stop learning from about step 200: "
+                                                   "every gradient norm so far (2, the smallest ")
+    assert "above --skip_grad_norm_max 1e-12, which the gradient guard applies once its window holds 200" in lines[0]
+    assert rows_with(rows, "effect/weight_rel_median")[2] > 100 * lora_effect.DOES_NOTHING_FLOOR  # it trains now
 
 
 @pytest.mark.parametrize("seed", ["0", "1"])
@@ -201,6 +214,33 @@ def test_silent_at_the_quick_starts_settings(seed, tiny_models, demo_dataset, tm
                              "--mixed_precision", "fp16", "--grad_guard_preset", "stable")
     assert lines == []
     assert min(rows_with(rows, "effect/weight_rel_median").values()) > 100 * lora_effect.DOES_NOTHING_FLOOR
+
+
+def test_training_probe_without_validation_measures_the_effect_and_changes_no_trained_bit(
+        tiny_models, three_images, tmp_path):
+    """Without a validation split the monitor measures on the fixed probe of training images at every check
+    step: the output change and the probe loss relative to the base model (1 where the LoRA does nothing:
+    at learning rate 1e-30 exactly 1, every input being the same). The probe draws nothing from training's
+    random streams: a 4-step run (probed at steps 1, 2, 3, 4) writes the same LoRA bytes as the step-4 file of
+    an 8-step run (probed at 2, 4, 6, 8)."""
+    def run(name: str, steps: str, *extra: str) -> list[dict]:
+        log = tmp_path / f"{name}.jsonl"
+        run_trainer("sdxl_train_network", trainer_args(tiny_models, three_images, tmp_path / name, "--max_train_steps",
+                                                       steps, "--output_name", "net", "--log_jsonl", str(log), *extra))
+        return jsonl_rows(log)
+
+    long_rows = run("long", "8", "--save_every_n_steps", "4")
+    short_rows = run("short", "4")
+    assert list(rows_with(long_rows, "effect/output_rel")) == [2, 4, 6, 8]
+    assert list(rows_with(short_rows, "effect/probe_rel")) == [1, 2, 3, 4]
+    assert all(value > 0 for value in rows_with(long_rows, "effect/output_rel").values())
+    assert {key for row in long_rows for key in row if key.startswith("effect/probe_rel_t")} == {
+        f"effect/probe_rel_t{timestep}" for timestep in (200, 400, 600, 800)}
+    assert safetensors_parts(tmp_path / "long" / "net-step00000004.safetensors")[2] == \
+        safetensors_parts(tmp_path / "short" / "net.safetensors")[2]
+    nothing = run("nothing", "4", "--learning_rate", "1e-30")
+    assert set(rows_with(nothing, "effect/probe_rel").values()) == {1.0}
+    assert set(rows_with(nothing, "effect/output_rel").values()) == {0.0}
 
 
 # -- the debiased loss ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ docs/training_core.md explains each hook and what a full-model trainable has to 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -66,9 +66,14 @@ class Trainable(Protocol):
     def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
         """Ready its per-run monitors once every option (the step count) is final."""
 
-    def step_scalars(self, step: int, *, guard_skipped: int, scaler_skipped: int,
+    def before_training(self, trainer: Any, run: Any) -> None:
+        """Last preparation once the run is built and the learning-rate finder (if any) ran: e.g. the
+        LoRA's effect monitor takes its fixed probe of training images when there is no validation split."""
+
+    def step_scalars(self, step: int, *, guard_skipped: int, guard_window: Sequence[float], scaler_skipped: int,
                      learning_rates: list[float]) -> dict[str, float]:
-        """Scalars of its own logged with a step's (e.g. what the LoRA changes)."""
+        """Scalars of its own logged with a step's (e.g. what the LoRA changes; ``guard_window``: the
+        guard's norms now)."""
 
     def validation_pass(self, run: Any, kind: str, run_pass: Any, batch_loss: Any) -> dict[str, float]:
         """``run_pass()`` (the validation pass and its scalars), with its own scalars added."""

@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -276,10 +276,14 @@ class LoraTrainable:
         parameters = [parameter for parameter in self.module.parameters() if parameter.requires_grad]
         return bool(torch.stack([torch.isfinite(parameter).all() for parameter in parameters]).all())
 
-    def step_scalars(self, step: int, *, guard_skipped: int, scaler_skipped: int,
+    def before_training(self, trainer: Any, run: Any) -> None:
+        if run.validator is None:  # the effect monitor measures on a fixed probe of training images instead
+            self.effect.probe = lora_effect.training_probe(trainer, run)
+
+    def step_scalars(self, step: int, *, guard_skipped: int, guard_window: Sequence[float], scaler_skipped: int,
                      learning_rates: list[float]) -> dict[str, float]:
         return self.effect.check(step, guard_skipped=guard_skipped, scaler_skipped=scaler_skipped,
-                                 learning_rates=learning_rates)
+                                 learning_rates=learning_rates, guard_window=guard_window)
 
     def validation_pass(self, run: Any, kind: str, run_pass: Any, batch_loss: Any) -> dict[str, float]:
         return self.effect.validation_pass(run.loss.models.unet, run.validator, kind, run_pass, batch_loss,

@@ -73,6 +73,7 @@ class Trainer:
                 lr_finder.find(self, run)
                 if args.find_lr_only:
                     return
+            run.trainable.before_training(self, run)
             self.after_start(run)
             for window in run.data.windows(run.progress, run.config.max_train_steps,
                                            lambda: run.outputs.stop.requested or best_checkpoint.stopped(run.best),
@@ -159,6 +160,7 @@ class Trainer:
                            overflows=scaler.overflow_count if scaler else None,
                            extra={**debiased_scalars(run), **run.trainable.step_scalars(
                                result.step, guard_skipped=optimization.guard.skipped_steps,
+                               guard_window=optimization.guard.window,
                                scaler_skipped=scaler.overflow_count if scaler else 0,
                                learning_rates=result.learning_rates)})
 
