@@ -17,14 +17,16 @@ from networks.network_base import find_non_finite
 
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, formats: bool = True) -> None:
+    """The output options; ``formats``: with the LoRA file format ones (a full-model trainer has its own)."""
     parser.add_argument("--output_dir", type=str, default=None, help="folder for LoRA files and logs (required)")
     parser.add_argument("--output_name", type=str, default=None,
                         help="base name of the LoRA files, without extension (default 'last')")
-    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
-                        help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
-                             "torch.save state dict without metadata, as kohya writes them")
-    add_save_precision_argument(parser, "LoRA weights")
+    if formats:
+        parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
+                            help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
+                                 "torch.save state dict without metadata, as kohya writes them")
+        add_save_precision_argument(parser, "LoRA weights")
     parser.add_argument("--save_every_n_epochs", type=int, default=None, help="also save a LoRA every N epochs")
     parser.add_argument("--save_every_n_steps", type=int, default=None, help="also save a LoRA every N optimizer steps")
     parser.add_argument("--save_n_epoch_ratio", type=int, default=None,
