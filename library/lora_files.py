@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -96,6 +97,23 @@ def abandoned_file_name(path: str) -> str:
     """``last-step00000012.safetensors`` -> ``last-step00000012-abandoned.safetensors``."""
     stem, extension = os.path.splitext(path)
     return f"{stem}{ABANDONED_SUFFIX}{extension}"
+
+
+def rename_abandoned(written: list[tuple[int, str]], after_step: int) -> tuple[list[tuple[int, str]], list[str]]:
+    """Rename each (step, path) of ``written`` saved after ``after_step`` to ``abandoned_file_name``
+    (replacing an older one of that name, file or folder); (what is still written under its name, the
+    new paths)."""
+    renamed, kept = [], []
+    for step, path in written:
+        if step > after_step and os.path.exists(path):
+            target = abandoned_file_name(path)
+            if os.path.isdir(target):  # a full model saved as a diffusers folder
+                shutil.rmtree(target)
+            atomic_files.rename_file(path, target)
+            renamed.append(target)
+        else:
+            kept.append((step, path))
+    return kept, renamed
 
 
 def last_healthy_file_name(output_name: str) -> str:
@@ -241,15 +259,7 @@ class LoraWriter:
         """Rename the files this run wrote after ``after_step`` (a rewind went back to it: they hold weights
         of the diverged span) to ``abandoned_file_name``, replacing an older file of that name; the new
         paths. The final name of each is free again, for the run's later save at that step."""
-        renamed, kept = [], []
-        for step, path in self.written:
-            if step > after_step and os.path.exists(path):
-                target = abandoned_file_name(path)
-                atomic_files.rename_file(path, target)
-                renamed.append(target)
-            else:
-                kept.append((step, path))
-        self.written = kept
+        self.written, renamed = rename_abandoned(self.written, after_step)
         return renamed
 
     def on_step(self, network: LoRANetwork, step: int, epoch: int) -> None:

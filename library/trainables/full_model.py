@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from accelerate import Accelerator
 
-from library import atomic_files, checkpoint_files, full_model_files, full_training_params, lora_files, train_state
+from library import checkpoint_files, full_model_files, full_training_params, lora_files, train_state
 from library.ema import LoraEma
 from library.errors import UserError
 from library.full_model_files import ModelFormat, ModelSaver
@@ -296,15 +296,5 @@ class FullModelWriter:
     def mark_abandoned(self, after_step: int) -> list[str]:
         """Rename what this run wrote after ``after_step`` (a rewind went back to it) with the
         ``-abandoned`` suffix; the new paths."""
-        renamed, kept = [], []
-        for step, path in self.written:
-            if step > after_step and os.path.exists(path):
-                target = lora_files.abandoned_file_name(path)
-                if os.path.isdir(target):
-                    full_model_files.remove_model(target)
-                atomic_files.rename_file(path, target)
-                renamed.append(target)
-            else:
-                kept.append((step, path))
-        self.written = kept
+        self.written, renamed = lora_files.rename_abandoned(self.written, after_step)
         return renamed
