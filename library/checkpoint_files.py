@@ -284,10 +284,29 @@ def file_sha256(path: str | os.PathLike) -> str:
 def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
                             metadata: Mapping[str, str] | None = None) -> None:
     """``safetensors.torch.save_file`` to a temporary beside ``path``, renamed over it
-    (``library.atomic_files``; streamed to disk, never a second copy in memory)."""
+    (``library.atomic_files``; streamed to disk, never a second copy in memory), its header made
+    canonical (:func:`sort_header_in_place`: equal contents give equal bytes)."""
     needed = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     with atomic_files.writing_file(path, needed) as temporary:
         save_file(dict(tensors), str(temporary), metadata=dict(metadata) if metadata else None)
+        sort_header_in_place(temporary)
+
+
+def sort_header_in_place(path: str | os.PathLike) -> None:
+    """Rewrite a safetensors file's header JSON with sorted keys, in place. safetensors writes the
+    metadata map in a per-process random order, and a resumed run must reproduce an uninterrupted
+    run's checkpoint byte for byte (``networks.network_base.canonical_safetensors_bytes`` does the same
+    for LoRA files in memory). The header is compact JSON either way, so its length is unchanged and the
+    tensor data (offsets relative to the header's end) is not touched."""
+    with open(path, "r+b") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = file.read(length)
+        content = header.rstrip(b" ")
+        canonical = json.dumps(json.loads(content), sort_keys=True, separators=(",", ":")).encode("utf-8")
+        if len(canonical) != len(content):  # not safetensors' compact JSON: leave the file as written
+            return
+        file.seek(8)
+        file.write(canonical)
 
 
 def iter_model_tensors(models: StableDiffusionModels) -> Iterator[tuple[str, torch.Tensor]]:

@@ -40,8 +40,10 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the kohya options described in the module docstring (kohya's names and defaults)."""
+def add_arguments(parser: argparse.ArgumentParser, lora: bool = True) -> None:
+    """Register the kohya options described in the module docstring (kohya's names and defaults);
+    ``lora=False``: a full fine-tuner's parser, whose own modules define ``--use_safetensors`` and
+    ``--fused_backward_pass`` (``full_model_files``, ``fused_backward``)."""
     group = parser.add_argument_group("kohya compatibility")
     add = group.add_argument
     add("--xformers", action="store_true",
@@ -62,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accepted, no effect: gradients are summed with one flat all-reduce, without DDP buckets")
     add("--ddp_static_graph", action="store_true",
         help="accepted, no effect: gradients are summed with one flat all-reduce, without DDP")
-    add("--use_safetensors", action="store_true",
-        help="accepted, no effect: LoRA files are safetensors unless --save_model_as says otherwise")
+    if lora:
+        add("--use_safetensors", action="store_true",
+            help="accepted, no effect: LoRA files are safetensors unless --save_model_as says otherwise")
 
     def refused(flag: str, **kwargs: Any) -> None:
         add(flag, **kwargs, help=f"refused: {UNSUPPORTED[flag.lstrip('-')]}")
@@ -89,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "--huggingface_repo_visibility"):
         inert(flag, "--huggingface_repo_id", type=str, default=None)
     inert("--async_upload", "--huggingface_repo_id", action="store_true")
-    add("--fused_backward_pass", action="store_true",
-        help="accepted, no effect: a full fine-tuning option (sdxl_train.py), ignored by LoRA training as in kohya")
+    if lora:
+        add("--fused_backward_pass", action="store_true",
+            help="accepted, no effect: a full fine-tuning option (sdxl_train.py), ignored by LoRA training as in kohya")
 
 
 def check_arguments(args: argparse.Namespace, sdxl: bool, announce: Callable[[str], None] = print) -> None:

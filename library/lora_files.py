@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -17,14 +18,16 @@ from networks.network_base import find_non_finite
 
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, formats: bool = True) -> None:
+    """The output options; ``formats``: with the LoRA file format ones (a full-model trainer has its own)."""
     parser.add_argument("--output_dir", type=str, default=None, help="folder for LoRA files and logs (required)")
     parser.add_argument("--output_name", type=str, default=None,
                         help="base name of the LoRA files, without extension (default 'last')")
-    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
-                        help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
-                             "torch.save state dict without metadata, as kohya writes them")
-    add_save_precision_argument(parser, "LoRA weights")
+    if formats:
+        parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
+                            help="LoRA file format: safetensors (default; with kohya's metadata), or ckpt/pt: a "
+                                 "torch.save state dict without metadata, as kohya writes them")
+        add_save_precision_argument(parser, "LoRA weights")
     parser.add_argument("--save_every_n_epochs", type=int, default=None, help="also save a LoRA every N epochs")
     parser.add_argument("--save_every_n_steps", type=int, default=None, help="also save a LoRA every N optimizer steps")
     parser.add_argument("--save_n_epoch_ratio", type=int, default=None,
@@ -94,6 +97,23 @@ def abandoned_file_name(path: str) -> str:
     """``last-step00000012.safetensors`` -> ``last-step00000012-abandoned.safetensors``."""
     stem, extension = os.path.splitext(path)
     return f"{stem}{ABANDONED_SUFFIX}{extension}"
+
+
+def rename_abandoned(written: list[tuple[int, str]], after_step: int) -> tuple[list[tuple[int, str]], list[str]]:
+    """Rename each (step, path) of ``written`` saved after ``after_step`` to ``abandoned_file_name``
+    (replacing an older one of that name, file or folder); (what is still written under its name, the
+    new paths)."""
+    renamed, kept = [], []
+    for step, path in written:
+        if step > after_step and os.path.exists(path):
+            target = abandoned_file_name(path)
+            if os.path.isdir(target):  # a full model saved as a diffusers folder
+                shutil.rmtree(target)
+            atomic_files.rename_file(path, target)
+            renamed.append(target)
+        else:
+            kept.append((step, path))
+    return kept, renamed
 
 
 def last_healthy_file_name(output_name: str) -> str:
@@ -239,15 +259,7 @@ class LoraWriter:
         """Rename the files this run wrote after ``after_step`` (a rewind went back to it: they hold weights
         of the diverged span) to ``abandoned_file_name``, replacing an older file of that name; the new
         paths. The final name of each is free again, for the run's later save at that step."""
-        renamed, kept = [], []
-        for step, path in self.written:
-            if step > after_step and os.path.exists(path):
-                target = abandoned_file_name(path)
-                atomic_files.rename_file(path, target)
-                renamed.append(target)
-            else:
-                kept.append((step, path))
-        self.written = kept
+        self.written, renamed = rename_abandoned(self.written, after_step)
         return renamed
 
     def on_step(self, network: LoRANetwork, step: int, epoch: int) -> None:

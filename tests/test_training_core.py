@@ -16,7 +16,10 @@ import pytest
 from conftest import REPO, SCRIPT_ENV, model_args
 
 import library.training.trainer
+import fine_tune
+import sdxl_train
 import sdxl_train_network
+import train_db
 import train_network
 from library.trainables.base import Trainable
 
@@ -35,6 +38,7 @@ TRAINERS = {
         "core.safetensors"),
     "lora-sd15": TrainerUnderTest("train_network.py", "sd15", (
         "--network_dim", "4", "--network_alpha", "4"), "core.safetensors"),
+    "full-sdxl": TrainerUnderTest("sdxl_train.py", "sdxl", ("--save_model_as", "safetensors"), "core.safetensors"),
 }
 # A learning rate this high makes the tiny models' fp16 training diverge within a few steps, so the
 # self-healing rewinds (the healing tests rely on the same); the other events come at fixed steps.
@@ -45,17 +49,23 @@ EVENTS = ("--mixed_precision", "fp16", "--grad_guard_preset", "stable", "--learn
 KEPT = ("gradient_logs+core.txt", "healing_log+core.txt")  # with the final file: what the run leaves
 
 
+def entry_trainers() -> list[library.training.trainer.Trainer]:
+    return [train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer(), sdxl_train.FullModelTrainer(),
+            train_db.trainer(), fine_tune.trainer()]
+
+
 def test_the_entry_scripts_are_the_core_with_a_family_and_a_trainable():
-    for trainer in (train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer()):
+    for trainer in entry_trainers():
         assert isinstance(trainer, library.training.trainer.Trainer)
         assert type(trainer).train is library.training.trainer.Trainer.train  # no copy of the loop
     assert sdxl_train_network.SdxlNetworkTrainer().is_sdxl and not train_network.NetworkTrainer().is_sdxl
+    assert sdxl_train.FullModelTrainer().is_sdxl and not train_db.trainer().is_sdxl
 
 
 def test_every_trainable_has_every_hook_the_core_calls():
     hooks = {name for name, value in vars(Trainable).items() if callable(value) and not name.startswith("_")}
     assert {"attach", "param_groups", "writer", "weights_finite"} <= hooks
-    for trainer in (train_network.NetworkTrainer(), sdxl_train_network.SdxlNetworkTrainer()):
+    for trainer in entry_trainers():
         missing = {name for name in hooks if not callable(getattr(trainer.trainable, name, None))}
         assert not missing, f"{type(trainer.trainable).__name__} lacks {sorted(missing)}"
         assert isinstance(trainer.trainable.kind, str) and hasattr(trainer.trainable, "module")

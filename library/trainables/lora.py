@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 from accelerate import Accelerator
 
-from library import (
-    best_checkpoint, compatibility, ema, fault_injection, fp8_base, grad_guard, healing, lora_effect, lora_files,
-    lora_metadata, loss_scaling, losses, lr_finder, model_loading, noise, optimizers, preflight, sampling, tracking,
-    train_state, torch_compile, validation,
-)
+from library import ema, fp8_base, lora_effect, lora_files, lora_metadata, optimizers, train_state
 from library.errors import UserError
 from library.model_loading import StableDiffusionModels
+from library.training import checks
 from networks import network_base, registry
 
 NOTHING_TO_TRAIN = ("--learning_rate/--unet_lr/--text_encoder_lr: every trained part has learning rate 0, nothing "
@@ -110,38 +106,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         raise UserError(f"--scale_weight_norms {args.scale_weight_norms} must be a positive number (0 = off)")
     if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
         raise UserError(f"--network_dropout {args.network_dropout} must be in [0, 1)")
-    compatibility.check_arguments(args, sdxl)
-    torch_compile.validate_arguments(args)
-    tracking.validate_arguments(args)
-    lora_files.validate_arguments(args)
-    if os.path.dirname(args.output_name):
-        # State rotation and --resume auto look for the run's files in --output_dir itself.
-        folder, name = os.path.split(args.output_name)
-        raise UserError(f"--output_name {args.output_name}: give a file name without folders; put the folder "
-                        f"into --output_dir (e.g. --output_dir {os.path.join(args.output_dir, folder)} "
-                        f"--output_name {name})")
-    lora_metadata.validate_arguments(args)
-    train_state.validate_arguments(args)
-    optimizers.validate_args(args)
-    ema.validate_arguments(args)
-    loss_scaling.validate_arguments(args)
-    losses.validate_arguments(args)
-    sampling.validate_arguments(args)
-    validation.validate_arguments(args)
-    best_checkpoint.validate_arguments(args)
-    lr_finder.validate_arguments(args)
-    for flag in ("save_last_n_steps_state", "save_last_n_epochs_state"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            raise UserError(f"--{flag} {getattr(args, flag)} must be a positive integer")
-    grad_guard.validate_arguments(args)
-    healing.validate_arguments(args)
-    noise.validate_arguments(args, noise.training_noise_scheduler(args.zero_terminal_snr).config.num_train_timesteps)
-    fault_injection.parse_injections(args.debug_inject_grad)
-    preflight.check_output_paths(args)
-    if not args.debug_dataset:  # it shows the dataset and stops: no model, no LoRA read (as in kohya)
-        preflight.check_input_files(args)
-        model_loading.check_model_paths(args, sdxl=sdxl)
-
+    checks.validate_run_arguments(args, sdxl)
 
 @dataclass(frozen=True)
 class LoraConfig:

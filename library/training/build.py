@@ -149,7 +149,8 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
     noise_scheduler = noise.training_noise_scheduler(args.zero_terminal_snr)
     trainable.attach(models, trainer.unet_module_names(models))
     train_unet, train_text_encoder = trainable.parts()
-    place_models(args, models, device, autocast_dtype)
+    # a trainable that trains whole models places them itself (optional hook; the LoRA has none)
+    place_models(args, models, device, autocast_dtype, getattr(trainable, "trained_models", list)())
     trainable.place(device, autocast_dtype)
     dataset_caching.cache_before_training(args, data.dataset, models, accelerator, autocast_dtype,
                                           data.validation_dataset)
@@ -230,13 +231,14 @@ def build_state(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
 
 
 def place_models(args: argparse.Namespace, models: StableDiffusionModels, device: torch.device,
-                 autocast_dtype: torch.dtype) -> None:
+                 autocast_dtype: torch.dtype, trained: list[torch.nn.Module] = ()) -> None:
     """Frozen weights go to the device in the autocast dtype (less memory, no per-step cast);
-    float8 weights (``--fp8_base``) stay float8."""
+    float8 weights (``--fp8_base``) stay float8. ``trained``: models the trainable places itself."""
     for model in [models.unet, models.vae, *models.text_encoders]:
         model.requires_grad_(False)
     for model in [models.unet, *models.text_encoders]:
-        fp8_base.move(model, device, autocast_dtype)
+        if not any(model is own for own in trained):
+            fp8_base.move(model, device, autocast_dtype)
     vae_dtype = torch.float32 if args.no_half_vae else autocast_dtype
     torch.nn.Module.to(models.vae, device, dtype=vae_dtype)
     models.vae.eval()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any, Optional
 
 from library import (
     best_checkpoint, compatibility, config_file, debiased_loss, ema, fault_injection, fp8_base, grad_guard, healing,
@@ -37,8 +38,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training_comment", type=str, default=None, help="comment stored in the LoRA metadata")
 
 
-def setup_parser(description: str) -> argparse.ArgumentParser:
-    """The LoRA trainer's command line (kohya's ``train_network.py`` options, in its groups' order)."""
+def setup_parser(description: str, trainable: Optional[Any] = None) -> argparse.ArgumentParser:
+    """The LoRA trainer's command line (kohya's ``train_network.py`` options, in its groups' order);
+    with ``trainable`` (a full-model one) its options replace the LoRA's, and the LoRA files' format
+    options (``--save_model_as``, ``--save_precision``) are the trainable's."""
     parser = ArgumentParser(description=description)
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
@@ -46,12 +49,15 @@ def setup_parser(description: str) -> argparse.ArgumentParser:
     validation.add_arguments(parser)
     best_checkpoint.add_arguments(parser)
     lr_finder.add_arguments(parser)
-    lora_files.add_arguments(parser)
+    lora_files.add_arguments(parser, formats=trainable is None)
     lora_metadata.add_arguments(parser)
     add_training_arguments(parser)
     fp8_base.add_arguments(parser)
     tracking.add_arguments(parser)
-    lora.add_network_arguments(parser)
+    if trainable is None:
+        lora.add_network_arguments(parser)
+    else:
+        trainable.add_arguments(parser)
     noise.add_arguments(parser)
     losses.add_arguments(parser)
     debiased_loss.add_arguments(parser)
@@ -63,6 +69,6 @@ def setup_parser(description: str) -> argparse.ArgumentParser:
     train_state.add_arguments(parser)
     fault_injection.add_arguments(parser)
     sampling.add_arguments(parser)
-    compatibility.add_arguments(parser)
+    compatibility.add_arguments(parser, lora=trainable is None)
     torch_compile.add_arguments(parser)
     return parser
