@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from library import (
-    best_checkpoint, compatibility, ema, fault_injection, fp8_base, grad_guard, healing, lora_effect, lora_files,
+    best_checkpoint, compatibility, ema, fault_injection, fp8_base, grad_guard, healing, inpainting, lora_effect, lora_files,
     lora_metadata, loss_scaling, losses, lr_finder, model_loading, noise, optimizers, preflight, sampling, tracking,
     train_state, torch_compile, validation,
 )
@@ -93,6 +93,7 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         if getattr(args, flag) and args.mixed_precision != precision:
             raise UserError(f"--{flag} needs --mixed_precision {precision} (got {args.mixed_precision})")
     fp8_base.validate_arguments(args)
+    inpainting.validate_arguments(args)
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
     registry.validate(args.network_module, network_base.parse_network_args(args.network_args),
