@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -220,3 +220,24 @@ def conditioning_channels(images: torch.Tensor, masks: torch.Tensor, encode: Cal
     latent_masks = F.interpolate(masks, size=tuple(masked_latents.shape[2:]))  # nearest
     return torch.cat([latent_masks.to(masked_latents.dtype), masked_latents], dim=1)
 
+
+
+def sample_inputs(image_path: Optional[str], mask_path: Optional[str], width: int, height: int, seed: int
+                  ) -> dict[str, Any]:
+    """The inpainting pipeline's inputs for a sample prompt: ``--img`` resized to the sample size (none:
+    a mid-grey image with everything masked, so the model draws the whole picture), ``--mask`` (white =
+    regenerate; none: the wobbly-ellipse blob of :func:`sample_mask` keyed by the prompt's seed), and
+    strength 1 (the masked region starts from pure noise). OSError when a file cannot be read."""
+    if image_path is None:
+        image = Image.new("RGB", (width, height), (128, 128, 128))
+        mask = Image.new("L", (width, height), 255)
+    else:
+        with Image.open(image_path) as opened:
+            image = opened.convert("RGB").resize((width, height), Image.LANCZOS)
+        if mask_path is not None:
+            with Image.open(mask_path) as opened:
+                mask = opened.convert("L").resize((width, height), Image.NEAREST)
+        else:
+            blob = sample_mask(width, height, seed).mul(255).to(torch.uint8)
+            mask = Image.fromarray(blob.numpy())  # uint8 (H, W): mode L
+    return {"image": image, "mask_image": mask, "strength": 1.0}

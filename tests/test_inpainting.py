@@ -144,3 +144,30 @@ def test_an_inpainting_lora_trains(name, script, tiny_models, tiny_inpainting, o
     assert last < first
     weights = load_file(tmp_path / "inpaint.safetensors")
     assert any(key.startswith("lora_unet_") for key in weights)
+
+
+def test_sample_prompts_with_img_and_mask(tiny_models, tiny_inpainting, one_image_dataset, tmp_path):
+    """``--img`` (and ``--mask``) in a sample prompt feed the inpainting pipeline; a prompt without
+    ``--img`` draws the whole picture; a missing image skips that prompt only (kohya's rule)."""
+    from PIL import Image
+
+    source = next(one_image_dataset.rglob("*.png"))
+    mask = tmp_path / "mask.png"
+    blank = Image.new("L", (64, 64), 0)
+    blank.paste(255, (16, 16, 48, 48))
+    blank.save(mask)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"a cat --img {source} --w 64 --h 64 --d 1 --s 2\n"
+                       f"a cat --img {source} --mask {mask} --w 64 --h 64 --d 2 --s 2\n"
+                       f"a dog --w 64 --h 64 --d 3 --s 2\n"
+                       f"a cow --img {tmp_path / 'missing.png'} --w 64 --h 64 --d 4 --s 2\n")
+    model = ["--pretrained_model_name_or_path", str(tiny_inpainting["sd15_inpaint_file"]),
+             "--model_config_dir", str(tiny_models["sd15_config"])]
+    output_dir = tmp_path / "out"
+    run_trainer("train_network", lora_argv(model, one_image_dataset, output_dir, "--train_inpainting",
+                                           "--max_train_steps", "1", "--sample_at_first",
+                                           "--sample_prompts", str(prompts)))
+    written = sorted(path.name for path in (output_dir / "sample").iterdir())
+    assert [name.split("_")[2] for name in written] == ["00", "01", "02"]
+    with Image.open(next((output_dir / "sample").glob("*_01_*.png"))) as sample:
+        assert sample.size == (64, 64)
