@@ -35,8 +35,6 @@ UNSUPPORTED: dict[str, str] = {
     "face_crop_aug_range": "face-centred crop augmentation is not supported here",
     "dataset_class": "custom dataset classes are not supported; use --dataset_config",
     "conditioning_data_dir": "ControlNet conditioning images are not supported by LoRA training",
-    "train_inpainting": "inpainting-model training (kohya v0.10.4+: a 9-channel UNet input with a random mask "
-                        "each step) is not implemented here; train on a standard SD/SDXL model",
 }
 
 
@@ -78,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser, lora: bool = True) -> None:
         help="with --gradient_checkpointing, keep the activations the UNet's backward needs (the checkpointed "
              "blocks' inputs) in pinned CPU memory instead of on the GPU: less GPU memory, some transfer time. "
              "No memory saved on CPU. Default: off")
-    for flag in ("--deepspeed", "--save_state_to_huggingface", "--resume_from_huggingface", "--train_inpainting"):
+    for flag in ("--deepspeed", "--save_state_to_huggingface", "--resume_from_huggingface"):
         refused(flag, action="store_true")
     for flag in ("--huggingface_repo_id", "--face_crop_aug_range", "--dataset_class", "--conditioning_data_dir"):
         refused(flag, type=str, default=None)

@@ -283,6 +283,13 @@ def _check_checkpoint_kind(keys: Sequence[str], kind: ModelKind, path: Path, fla
     raise UserError(f"{flag}: {path} is an SD1.x checkpoint; drop --v2")
 
 
+def checkpoint_unet_in_channels(reader: CheckpointReader) -> int | None:
+    """The input channels of the UNet's ``conv_in`` as the file stores it (4; 9 for an inpainting model),
+    None without it (the missing tensor is reported later): inpainting checkpoints share the base configs."""
+    key = f"{ck.UNET_PREFIX}input_blocks.0.0.weight"
+    return int(reader.shape(key)[1]) if key in set(reader.keys()) else None
+
+
 def _check_config_dir(config_dir: Path, kind: ModelKind) -> None:
     needed = ["unet/config.json", "vae/config.json", "text_encoder/config.json", "scheduler/scheduler_config.json"]
     if kind == "sdxl":
@@ -295,11 +302,13 @@ def _check_config_dir(config_dir: Path, kind: ModelKind) -> None:
                             + ", ".join(needed))
 
 
-def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = True
+def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = True,
+                       unet_in_channels: int | None = None
                        ) -> tuple[UNet2DConditionModel, AutoencoderKL | None, list[torch.nn.Module], dict[str, Any]]:
     """UNet, VAE (or ``None``), text encoders of ``kind`` from ``config_dir`` on the meta device, and the VAE config.
 
-    Parameters are meta tensors (no memory); buffers are real.
+    Parameters are meta tensors (no memory); buffers are real. ``unet_in_channels`` replaces the
+    config's UNet input channels (an inpainting checkpoint's 9-channel ``conv_in``).
     """
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -307,6 +316,8 @@ def build_empty_models(kind: ModelKind, config_dir: Path, *, with_vae: bool = Tr
 
     flag = "--model_config_dir"
     unet_config = _read_json(config_dir / "unet" / "config.json", flag)
+    if unet_in_channels is not None:
+        unet_config["in_channels"] = unet_in_channels
     vae_config = _read_json(config_dir / "vae" / "config.json", flag)
     encoder_classes = [CLIPTextModel] + ([CLIPTextModelWithProjection] if kind == "sdxl" else [])
     encoder_configs = []
@@ -328,7 +339,8 @@ def _load_single_file(path: Path, kind: ModelKind, config_dir: Path, keep_vae: b
         raise UserError(f"{flag}: {path} is not a file or folder")
     with CheckpointReader(path, flag) as reader:
         _check_checkpoint_kind(reader.keys(), kind, path, flag)
-        unet, vae, text_encoders, vae_config = build_empty_models(kind, config_dir, with_vae=keep_vae)
+        unet, vae, text_encoders, vae_config = build_empty_models(
+            kind, config_dir, with_vae=keep_vae, unet_in_channels=checkpoint_unet_in_channels(reader))
         try:
             maps = ck.checkpoint_key_maps(kind, unet, vae, text_encoders)
         except KeyError as error:

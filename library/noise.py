@@ -36,6 +36,7 @@ _STREAM_TIMESTEP = 3
 _STREAM_OFFSET = 4  # noise offset direction, then its random strength
 _STREAM_MULTIRES = 5  # per octave: the scale factor, then the low-resolution noise
 _STREAM_INPUT_PERTURBATION = 6  # ip_noise_gamma perturbation, then its random strength
+STREAM_INPAINTING_MASK = 7  # --train_inpainting's random mask (library.inpainting)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,10 +5,12 @@ Prompt files (``--sample_prompts``), as in kohya-ss sd-scripts:
 * ``.txt``: one prompt per line (empty lines and lines starting with ``#`` ignored), options
   after `` --``: ``--n`` negative prompt, ``--w``/``--h`` size (64..8192 px, rounded down to a
   multiple of 8; default 512), ``--d`` seed (default: random), ``--s`` steps (1..1000,
-  default 30), ``--l`` CFG scale (finite; default 7.5), ``--ss`` sampler for this prompt.
+  default 30), ``--l`` CFG scale (finite; default 7.5), ``--ss`` sampler for this prompt; for an
+  inpainting model (``--train_inpainting``) ``--img`` the image to inpaint and ``--mask`` its mask
+  (white: regenerate; default a random blob, see ``library.inpainting``); paths cannot contain `` --``.
 * ``.toml``: a ``[prompt]`` table of defaults with ``[[prompt.subset]]`` entries; keys
   ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``,
-  ``scale``, ``sample_sampler``.
+  ``scale``, ``sample_sampler``, ``image``, ``mask``.
 * ``.json``: a list of such dicts, or of prompt lines.
 
 Prompts are encoded as training encodes captions (``library.text_encoding``: the same layers,
@@ -54,7 +56,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from library import atomic_files, text_encoding, tracking
+from library import atomic_files, inpainting, text_encoding, tracking
 from library.datasets.config import MAX_SIDE_PX
 from library.errors import UserError
 
@@ -97,6 +99,8 @@ class SamplePrompt:
     sample_steps: int = 30
     scale: float = 7.5
     sampler: Optional[str] = None
+    image: Optional[str] = None  # --img: the image an inpainting model fills in
+    mask: Optional[str] = None  # --mask: its mask (white = regenerate); default a random blob
 
 
 _LINE_OPTIONS = {  # option letter -> (field, parser)
@@ -107,9 +111,12 @@ _LINE_OPTIONS = {  # option letter -> (field, parser)
     "s": ("sample_steps", int),
     "l": ("scale", float),
     "ss": ("sampler", str),
+    "img": ("image", str),
+    "mask": ("mask", str),
 }
 _DICT_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width": "width", "height": "height",
-              "seed": "seed", "sample_steps": "sample_steps", "scale": "scale", "sample_sampler": "sampler"}
+              "seed": "seed", "sample_steps": "sample_steps", "scale": "scale", "sample_sampler": "sampler",
+             "image": "image", "mask": "mask"}
 
 
 def parse_prompt_line(line: str, index: int, source: str = "prompt") -> SamplePrompt:
@@ -117,7 +124,7 @@ def parse_prompt_line(line: str, index: int, source: str = "prompt") -> SamplePr
     text, *options = line.split(" --")
     values: dict[str, Any] = {"prompt": text.strip()}
     for option in options:
-        match = re.match(r"(ss|[nwhdsl])\s+(.*)$", option.strip(), re.IGNORECASE | re.DOTALL)
+        match = re.match(r"(ss|img|mask|[nwhdsl])\s+(.*)$", option.strip(), re.IGNORECASE | re.DOTALL)
         if not match:
             continue  # kohya ignores options it does not know (--g, --cn, ...)
         field, kind = _LINE_OPTIONS[match.group(1).lower()]
@@ -351,18 +358,21 @@ def prompt_embeddings(models, prompt: SamplePrompt, clip_skip: Optional[int] = N
 
 
 def build_pipeline(models, scheduler):
-    """A diffusers pipeline over the in-memory components of ``models`` (kind from ``models.kind``)."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    """A diffusers pipeline over the in-memory components of ``models`` (kind from ``models.kind``; an
+    inpainting pipeline for a 9-channel UNet)."""
+    from diffusers import (StableDiffusionInpaintPipeline, StableDiffusionPipeline, StableDiffusionXLInpaintPipeline,
+                           StableDiffusionXLPipeline)
 
     if models.vae is None or not models.text_encoders:
         raise UserError("sampling needs the VAE and text encoders, which were freed after caching")
+    inpaint = models.unet.config.in_channels == inpainting.INPAINTING_IN_CHANNELS
     if models.kind == "sdxl":
-        pipeline = StableDiffusionXLPipeline(
+        pipeline = (StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline)(
             vae=models.vae, text_encoder=models.text_encoders[0], text_encoder_2=models.text_encoders[1],
             tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet, scheduler=scheduler,
             add_watermarker=False)
     else:
-        pipeline = StableDiffusionPipeline(
+        pipeline = (StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline)(
             vae=models.vae, text_encoder=models.text_encoders[0], tokenizer=models.tokenizers[0], unet=models.unet,
             scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipeline.set_progress_bar_config(disable=True)
@@ -400,9 +410,17 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
                                                 getattr(args, "v_parameterization", False))
             seed = prompt.seed if prompt.seed is not None else random.SystemRandom().randrange(2**63)
             generator = torch.Generator(device=device).manual_seed(seed)
+            if models.unet.config.in_channels == inpainting.INPAINTING_IN_CHANNELS:
+                try:
+                    inpaint = inpainting.sample_inputs(prompt.image, prompt.mask, prompt.width, prompt.height, seed)
+                except OSError as error:  # kohya: a missing image skips the sample, not the training
+                    print(f"\nsample prompt {prompt.index}: {error}; skipped", flush=True)
+                    continue
+            else:
+                inpaint = {}
             with autocast:
                 conditioning = prompt_embeddings(models, prompt, getattr(args, "clip_skip", None))
-                image = pipeline(**conditioning, width=prompt.width, height=prompt.height,
+                image = pipeline(**conditioning, **inpaint, width=prompt.width, height=prompt.height,
                                  num_inference_steps=prompt.sample_steps, guidance_scale=prompt.scale,
                                  generator=generator).images[0]
             path = folder / image_file_name(args.output_name, prompt, step, epoch if when == "epoch" else None)

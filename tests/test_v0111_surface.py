@@ -10,7 +10,7 @@ What v0.10.2 - v0.11.1 changed for these trainers, and what is checked here:
   (``_sd.npz``), every key suffixed with the latent size ``_<h>x<w>``; kohya v0.11.1 reads an
   unsuffixed entry when its ``latents`` have the bucket's latent size.
 * the option set of ``sdxl_train_network.py`` / ``train_network.py`` (v0.10.4 added
-  ``--train_inpainting``, refused here; see test_kohya_compat) and ``--lowvram`` (never a kohya option).
+  ``--train_inpainting``, see test_inpainting) and ``--lowvram`` (never a kohya option).
 """
 from __future__ import annotations
 

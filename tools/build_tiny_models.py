@@ -6,7 +6,9 @@ Writes, for each of ``sdxl``, ``sd15`` and ``sd2``:
   DIR/<name>/               diffusers pipeline folder (save_pretrained)
   DIR/<name>.safetensors    the same weights as one original-layout single file
   DIR/<name>_config/        configs + tokenizers, no weights (usable as --model_config_dir)
-and DIR/tokenizers/, the tiny tokenizers in kohya's --tokenizer_cache_dir layout.
+and DIR/tokenizers/, the tiny tokenizers in kohya's --tokenizer_cache_dir layout; and the inpainting
+models ``sdxl_inpaint`` and ``sd15_inpaint`` (the same architectures with a 9-channel UNet conv_in, as
+sd_xl_base_1.0_inpainting / sd-v1-5-inpainting; ``build_tiny_inpainting_models``).
 
 The tokenizers have the smallest vocab that still tokenizes any text (the 256
 byte-level characters, the same with ``</w>``, then bos/eos: 514 tokens); the
@@ -96,8 +98,9 @@ def _scheduler_config(kind: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def tiny_sdxl() -> StableDiffusionModels:
-    """Tiny SDXL: te1 CLIP hidden 32, te2 hidden 64 with projection 64, UNet (32, 64, 64), 3 levels."""
+def tiny_sdxl(unet_in_channels: int = 4) -> StableDiffusionModels:
+    """Tiny SDXL: te1 CLIP hidden 32, te2 hidden 64 with projection 64, UNet (32, 64, 64), 3 levels
+    (``unet_in_channels`` 9: an inpainting model)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -107,7 +110,8 @@ def tiny_sdxl() -> StableDiffusionModels:
     text_encoder_2 = CLIPTextModelWithProjection(_text_config(64, 64, "gelu"))
     _seeded(2)
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64, 64),
+        sample_size=8, in_channels=unet_in_channels, out_channels=4, layers_per_block=2,
+        block_out_channels=(32, 64, 64),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 1, 2), attention_head_dim=(2, 4, 4), use_linear_projection=True,
@@ -121,8 +125,9 @@ def tiny_sdxl() -> StableDiffusionModels:
                                  _scheduler_config("sdxl"), "tiny_sdxl")
 
 
-def tiny_sd(kind: str) -> StableDiffusionModels:
-    """Tiny SD1.x (``sd1``) or SD2.x v-prediction (``sd2``): UNet (32, 32, 64, 64), 4 levels, te hidden 32."""
+def tiny_sd(kind: str, unet_in_channels: int = 4) -> StableDiffusionModels:
+    """Tiny SD1.x (``sd1``) or SD2.x v-prediction (``sd2``): UNet (32, 32, 64, 64), 4 levels, te hidden 32
+    (``unet_in_channels`` 9: an inpainting model)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel
 
@@ -131,7 +136,8 @@ def tiny_sd(kind: str) -> StableDiffusionModels:
     text_encoder = CLIPTextModel(_text_config(32, 32, "gelu" if sd2 else "quick_gelu"))
     _seeded(11)
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 32, 64, 64),
+        sample_size=8, in_channels=unet_in_channels, out_channels=4, layers_per_block=2,
+        block_out_channels=(32, 32, 64, 64),
         down_block_types=_SD_DOWN, up_block_types=_SD_UP, cross_attention_dim=32,
         attention_head_dim=(2, 2, 4, 4) if sd2 else 2, use_linear_projection=sd2, upcast_attention=sd2)
     _seeded(12)
@@ -194,11 +200,23 @@ def build_tiny_models(out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
+def build_tiny_inpainting_models(out_dir: str | Path) -> dict[str, Path]:
+    """Tiny inpainting models (9-channel UNet input) into ``out_dir``: keys ``sdxl_inpaint`` and
+    ``sd15_inpaint`` with their ``_file`` and ``_config`` as in ``build_tiny_models`` (same text encoders,
+    VAE and tokenizers as ``sdxl`` / ``sd15``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    for name, models in (("sdxl_inpaint", tiny_sdxl(unet_in_channels=9)), ("sd15_inpaint", tiny_sd("sd1", 9))):
+        paths.update(_write_model(models, out_dir, name))
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (created; existing tiny models are replaced)")
     args = parser.parse_args()
-    for key, path in build_tiny_models(args.out).items():
+    for key, path in {**build_tiny_models(args.out), **build_tiny_inpainting_models(args.out)}.items():
         print(f"{key}: {path}")
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from library import (
     best_checkpoint, compatibility, debiased_loss, ema, fault_injection, flat_gradients, fp8_base, grad_guard,
-    healing, lora_files, lora_metadata, loss_scaling, losses, nan_report, noise, optimizers, preflight, sampling,
+    healing, inpainting, lora_files, lora_metadata, loss_scaling, losses, nan_report, noise, optimizers, preflight, sampling,
     torch_compile, tracking, train_state, validation,
 )
 from library.datasets import caching as dataset_caching, dataset as datasets
@@ -142,6 +142,8 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
     device = accelerator.device
     autocast_dtype = MIXED_PRECISION_DTYPES[args.mixed_precision]
     models = trainer.load_models(args)
+    inpainting.check_model(getattr(args, "train_inpainting", False), models.unet.config.in_channels,
+                           args.pretrained_model_name_or_path)
     compatibility.select_attention(args, models.unet, device.type, announce=print)
     if args.base_weights:
         merge_lora.merge_base_weights(models, args.base_weights, args.base_weights_multiplier)
@@ -164,6 +166,7 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
         device,
         check_inputs=args.quarantine_bad_samples,
         debiased=debiased_loss.create(args, trainable.module, device, data.steps_per_epoch),
+        inpainting=getattr(args, "train_inpainting", False),
     )
     return models, loss
 

@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 import torch
 from accelerate import Accelerator
 
-from library import compatibility, healing, losses, noise
+from library import compatibility, healing, inpainting, losses, noise
 from library.datasets import latents as cached_latents
 from library.model_loading import StableDiffusionModels
 from library.training.run import LossContext
@@ -83,7 +83,7 @@ def plan_loss(run: LossContext, batch: dict[str, Any], epoch: int, timesteps: Op
         )
     masks = batch.get("alpha_masks")
     mask = None if masks is None else losses.mask_to_latent(masks, latent_hw)
-    channels = run.models.unet.config.in_channels
+    channels = run.models.unet.config.out_channels  # the latent channels (an inpainting UNet takes 9 in)
     return losses.batch_weights(
         run.loss_options, run.noise_scheduler.alphas_cumprod, timesteps, batch["loss_weights"],
         (channels, *latent_hw), mask,
@@ -107,6 +107,11 @@ def compute_loss(
             latents = cached_latents.sample_cached_latents(batch, seed, epoch).to(device)
         else:
             latents = encode_latents(models.vae, batch["images"], seed, epoch, sample_indices)
+        if run.inpainting:  # no cached latents (refused): the images are here
+            masks = inpainting.training_masks(seed, epoch, sample_indices, *batch["images"].shape[2:])
+            extra_input = inpainting.conditioning_channels(
+                batch["images"].to(device), masks,
+                lambda masked: encode_latents(models.vae, masked, seed, epoch, sample_indices)).to(device)
     if "text_encoder_outputs" in batch:  # cached SDXL conditioning (text encoders frozen)
         conditioning = tuple(tensor.to(device) for tensor in batch["text_encoder_outputs"])
     else:
@@ -119,13 +124,16 @@ def compute_loss(
     if timesteps is not None:
         drawn = replace(drawn, timesteps=timesteps.to(device))
     noisy_latents = run.noise_scheduler.add_noise(latents, drawn.input_noise, drawn.timesteps)
+    unet_input = noisy_latents
+    if run.inpainting:  # kohya's channel order: noisy latents, mask, masked-image latents
+        unet_input = torch.cat([noisy_latents, extra_input.to(noisy_latents.dtype)], dim=1)
     with compatibility.offloaded_activations(args, device):
-        prediction = hooks.predict(models, noisy_latents, drawn.timesteps, conditioning, batch)
+        prediction = hooks.predict(models, unet_input, drawn.timesteps, conditioning, batch)
     target = losses.diffusion_target(run.noise_scheduler, latents, drawn.noise, drawn.timesteps,
                                      args.v_parameterization)
     result = losses.batch_loss(prediction, target, plan, run.loss_options)
     if run.debiased is not None and torch.is_grad_enabled():  # training steps (not validation, not probes)
-        add_base_loss(hooks, run, batch, noisy_latents, drawn.timesteps, conditioning, target, plan, result)
+        add_base_loss(hooks, run, batch, unet_input, drawn.timesteps, conditioning, target, plan, result)
     if run.check_inputs:  # the inputs a sample brings: its latents, and the text conditioning when frozen
         frozen_conditioning = () if run.train_text_encoder and "text_encoder_outputs" not in batch else (conditioning,)
         result.inputs_finite = healing.inputs_finite(latents, *frozen_conditioning)

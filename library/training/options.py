@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from library import (
     best_checkpoint, compatibility, config_file, debiased_loss, ema, fault_injection, fp8_base, grad_guard, healing,
-    lora_files, lora_metadata, loss_scaling, losses, lr_finder, model_loading, noise, optimizers, sampling,
+    inpainting, lora_files, lora_metadata, loss_scaling, losses, lr_finder, model_loading, noise, optimizers, sampling,
     torch_compile, tracking, train_state, validation,
 )
 from library.datasets import dataset as datasets
@@ -46,6 +46,7 @@ def setup_parser(description: str, trainable: Optional[Any] = None) -> argparse.
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
     datasets.add_arguments(parser)
+    inpainting.add_arguments(parser)
     validation.add_arguments(parser)
     best_checkpoint.add_arguments(parser)
     lr_finder.add_arguments(parser)

@@ -41,6 +41,7 @@ class LossContext:
     device: torch.device
     check_inputs: bool = False
     debiased: Optional[debiased_loss.DebiasedLoss] = None  # --debiased_loss: the base model's loss beside it
+    inpainting: bool = False  # --train_inpainting: the UNet also sees a random mask and the masked image
 
 
 @dataclass
