@@ -49,6 +49,10 @@ def validate_arguments(args: argparse.Namespace) -> list[PromptPair]:
         raise UserError(f"--max_denoising_steps {args.max_denoising_steps}: must be at least 2")
     if getattr(args, "network_train_text_encoder_only", False):
         raise UserError("--network_train_text_encoder_only: LECO trains a UNet LoRA only; remove the option")
+    for flag in ("save_state", "save_state_on_train_end", "resume"):
+        if getattr(args, flag, None):
+            raise UserError(f"--{flag}: training states are not available for LECO here yet; remove the option "
+                            f"(the LoRA files are written as usual)")
     pairs = load_prompt_pairs(args.prompts_file)
     for pair in pairs:
         height, width = pair.resolution
@@ -170,7 +174,7 @@ def train(family: Any, args: argparse.Namespace) -> None:
     """A LECO run: the prompt file read, the family's models loaded, a UNet LoRA of
     ``--network_module`` attached (``LoraTrainable``), ``--max_train_steps`` LECO steps, the LoRA
     written as the LoRA trainer writes its files (kohya's names and metadata, ``ss_leco_*`` added)."""
-    from library import lora_files, lora_metadata, optimizers, train_state
+    from library import compatibility, lora_files, lora_metadata, optimizers
     from library.trainables.lora import LoraTrainable
     from library.training import build
 
@@ -186,6 +190,7 @@ def train(family: Any, args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast_dtype = build.MIXED_PRECISION_DTYPES[args.mixed_precision]
     models = family.load_models(args)
+    compatibility.select_attention(args, models.unet, device.type, announce=print)
     trainable.attach(models, family.unet_module_names(models))
     network = trainable.module
     for model in [models.unet, *models.text_encoders]:
@@ -225,19 +230,22 @@ def train(family: Any, args: argparse.Namespace) -> None:
           f"{args.mixed_precision} on {device.type}")
     network.train()
     for step in range(1, args.max_train_steps + 1):
-        pair = pairs[int(torch.randint(0, len(pairs), (1,)))]
-        loss = leco_step.loss(pair, device)
-        if not torch.isfinite(loss):
-            raise SystemExit(f"step {step}: the LECO loss is {loss.item()}; stopping (no file written)")
-        loss.backward()
+        window_loss = 0.0
+        for _ in range(args.gradient_accumulation_steps):  # one random pair per micro-batch, as kohya
+            pair = pairs[int(torch.randint(0, len(pairs), (1,)))]
+            loss = leco_step.loss(pair, device) / args.gradient_accumulation_steps
+            if not torch.isfinite(loss):
+                raise SystemExit(f"step {step}: the LECO loss is {loss.item()}; stopping (no file written)")
+            loss.backward()
+            window_loss += loss.item()
         if args.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
         optimizer.step()
-        optimizers.step_schedule(lr_scheduler, loss.item())
+        optimizers.step_schedule(lr_scheduler, window_loss)
         optimizer.zero_grad(set_to_none=True)
         network.set_multiplier(1.0)
-        print(f"step {step}/{args.max_train_steps}: loss {loss.item():.6f} (pair multiplier {pair.multiplier:g}, "
-              f"{pair.action})", flush=True)
+        print(f"step {step}/{args.max_train_steps}: loss {window_loss:.6g} (last pair: multiplier "
+              f"{pair.multiplier:g}, {pair.action})", flush=True)
         if step < args.max_train_steps:
             writer.on_step(network, step, 1)
     path = writer.write(network, lora_files.final_file_name(args.output_name), args.max_train_steps, 1)
