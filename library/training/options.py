@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from library import (
     best_checkpoint, compatibility, config_file, debiased_loss, ema, fault_injection, fp8_base, grad_guard, healing,
@@ -37,8 +38,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training_comment", type=str, default=None, help="comment stored in the LoRA metadata")
 
 
-def setup_parser(description: str) -> argparse.ArgumentParser:
-    """The LoRA trainer's command line (kohya's ``train_network.py`` options, in its groups' order)."""
+def setup_parser(description: str, add_trainable_arguments: Callable[[argparse.ArgumentParser], None]
+                 = lora.add_network_arguments) -> argparse.ArgumentParser:
+    """The LoRA trainer's command line (kohya's ``train_network.py`` options, in its groups' order);
+    another trainable's options in the LoRA's place with ``add_trainable_arguments``."""
     parser = ArgumentParser(description=description)
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
@@ -51,7 +54,7 @@ def setup_parser(description: str) -> argparse.ArgumentParser:
     add_training_arguments(parser)
     fp8_base.add_arguments(parser)
     tracking.add_arguments(parser)
-    lora.add_network_arguments(parser)
+    add_trainable_arguments(parser)
     noise.add_arguments(parser)
     losses.add_arguments(parser)
     debiased_loss.add_arguments(parser)
