@@ -180,15 +180,17 @@ def token_embedding_module(text_encoder: torch.nn.Module) -> torch.nn.Module:
 def add_tokens(tokenizer, tokens: list[str], encoder_number: int) -> list[int]:
     """Add ``tokens`` to ``tokenizer``; their ids (consecutive, after the vocabulary). A token the
     tokenizer knows is refused, as kohya does."""
-    added = tokenizer.add_tokens(tokens)
-    if added != len(tokens):
-        raise UserError(f"--token_string {tokens[0]}: tokenizer {encoder_number} already knows "
-                        f"{'it' if len(tokens) == 1 else 'one of ' + ', '.join(tokens)}; choose a word it does not "
-                        f"know (e.g. a made-up one)")
+    vocabulary = tokenizer.get_vocab()
+    known = [token for token in tokens if token in vocabulary]
+    if known:
+        raise UserError(f"--token_string {tokens[0]}: tokenizer {encoder_number} already knows {', '.join(known)}; "
+                        f"choose a word it does not know (e.g. a made-up one)")
+    first_id = len(tokenizer)
+    tokenizer.add_tokens(tokens)
     ids = tokenizer.convert_tokens_to_ids(tokens)
-    if ids != list(range(ids[0], ids[0] + len(ids))):
+    if ids != list(range(first_id, first_id + len(tokens))):
         raise UserError(f"--token_string {tokens[0]}: tokenizer {encoder_number} gave the new tokens ids {ids}, "
-                        f"not consecutive; choose another word")
+                        f"not the next ones after its {first_id} tokens; choose another word")
     return ids
 
 
