@@ -232,3 +232,17 @@ def test_lora_options_are_not_textual_inversion_options():
     with pytest.raises(UserError, match="--network_dim"):
         train_textual_inversion.setup_parser().parse_args(["--network_dim", "4"])
     assert train_textual_inversion.setup_parser().parse_args([]).save_model_as == "pt"  # kohya's default
+
+
+@pytest.mark.slow
+def test_kohyas_default_pt_file_is_a_plain_tensor_dict(tiny_models, dataset, tmp_path):
+    """``--save_model_as pt`` (kohya's default): ``{"emb_params": [vectors, width]}`` that
+    ``torch.load(weights_only=True)`` reads (as ComfyUI's embedding loader and A1111 do)."""
+    from conftest import run_trainer
+
+    argv = ti_argv(tiny_models, "sd15", dataset, tmp_path, "--max_train_steps", "2")
+    argv.remove("--save_model_as"), argv.remove("safetensors")
+    run_trainer("train_textual_inversion", argv)
+    state = torch.load(tmp_path / "emb.pt", weights_only=True)
+    assert list(state) == ["emb_params"] and state["emb_params"].shape == (2, 32)
+    assert state["emb_params"].dtype == torch.float32
