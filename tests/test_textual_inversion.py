@@ -246,3 +246,15 @@ def test_kohyas_default_pt_file_is_a_plain_tensor_dict(tiny_models, dataset, tmp
     state = torch.load(tmp_path / "emb.pt", weights_only=True)
     assert list(state) == ["emb_params"] and state["emb_params"].shape == (2, 32)
     assert state["emb_params"].dtype == torch.float32
+
+
+def test_the_trainable_has_every_hook_the_core_calls():
+    import sdxl_train_textual_inversion
+    from library.trainables.base import Trainable
+    from library.training.trainer import Trainer
+
+    hooks = {name for name, value in vars(Trainable).items() if callable(value) and not name.startswith("_")}
+    trainer = sdxl_train_textual_inversion.SdxlTextualInversionTrainer()
+    assert isinstance(trainer, Trainer) and type(trainer).train is Trainer.train and trainer.is_sdxl
+    missing = {name for name in hooks if not callable(getattr(trainer.trainable, name, None))}
+    assert not missing, sorted(missing)

@@ -98,6 +98,9 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool) -> None:
     if args.debiased_loss:
         raise UserError("--debiased_loss needs a LoRA (it turns the network off for its reference pass); "
                         "textual inversion has none: remove the option")
+    if args.find_lr or args.find_lr_only:
+        raise UserError("--find_lr: the learning-rate range test measures against the LoRA turned off; textual "
+                        "inversion has no LoRA: remove the option")
     if args.weights and not os.path.isfile(args.weights):
         raise UserError(f"--weights {args.weights}: no such file (an embedding file to continue training from)")
     if args.output_name is None:
