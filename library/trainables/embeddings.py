@@ -144,9 +144,11 @@ class NewTokenEmbeddings(torch.nn.Module):
         return self.lora_state_dict()
 
     def load_training_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        missing = set(self.keys) ^ set(state)
-        if missing:
-            raise UserError(f"the state's embedding holds {sorted(state)}, this run's {self.keys}")
+        shapes = {key: tuple(value.shape) for key, value in state.items()}
+        ours = {key: tuple(vector.shape) for key, vector in zip(self.keys, self.vectors)}
+        if shapes != ours:  # e.g. resumed with another --num_vectors_per_token
+            raise UserError(f"the state's embedding holds {shapes}, this run trains {ours} (--num_vectors_per_token "
+                            f"and the model must be the state's)")
         with torch.no_grad():
             for key, vector in zip(self.keys, self.vectors):
                 vector.copy_(state[key])
