@@ -201,9 +201,11 @@ class LoraWriter:
     """
 
     def __init__(self, args: argparse.Namespace, metadata: Mapping[str, str], ema: Optional[LoraEma] = None,
-                 current_metadata: Callable[[], Mapping[str, str]] = dict) -> None:
+                 current_metadata: Callable[[], Mapping[str, str]] = dict, modelspec_only: bool = False) -> None:
         """``metadata``: the run's; ``current_metadata()``: what changes during the run (rewinds, quarantined
-        samples), asked at every write."""
+        samples), asked at every write; ``modelspec_only``: the files carry only the ``modelspec.*`` keys
+        (kohya's embedding files), as with ``--no_metadata``."""
+        self.modelspec_only = modelspec_only
         self.args = args
         self.metadata = dict(metadata)
         self.current_metadata = current_metadata
@@ -246,7 +248,7 @@ class LoraWriter:
             return None
         metadata = {**self.metadata, **self.current_metadata()}
         metadata.update({"ss_steps": str(step), "ss_epoch": str(epoch), **weights_metadata})
-        if not self.args.no_metadata:
+        if not (self.args.no_metadata or self.modelspec_only):
             metadata.update(addnet_hashes(state, metadata))
         else:
             metadata = {key: value for key, value in metadata.items() if key.startswith("modelspec.")}

@@ -18,6 +18,7 @@ from library.model_loading import StableDiffusionModels
 
 class Trainable(Protocol):
     kind: str  # what the messages call it ("LoRA")
+    writes_models: bool  # its files are whole models (own --save_model_as / --save_precision), not LoRA-like files
     module: Optional[torch.nn.Module]  # what trains once ``attach`` ran; a state component ("network")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -120,6 +120,7 @@ class FullModelTrainable:
     """The UNet (and text encoders) fine-tuned whole (see ``library.trainables.base.Trainable``)."""
 
     kind = "model"
+    writes_models = True
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -206,7 +207,10 @@ class FullModelTrainable:
     def weights_finite(self) -> bool:
         return bool(torch.stack([torch.isfinite(p).all() for p in self.module.trained.values()]).all())
 
-    def step_scalars(self, step: int, *, guard_skipped: int, scaler_skipped: int,
+    def before_training(self, trainer: Any, run: Any) -> None:
+        pass  # no monitor of its own
+
+    def step_scalars(self, step: int, *, guard_skipped: int, guard_window: Sequence[float], scaler_skipped: int,
                      learning_rates: list[float]) -> dict[str, float]:
         return {}
 

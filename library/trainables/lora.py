@@ -145,6 +145,7 @@ class LoraTrainable:
     """A LoRA network trained on the family's models (see ``library.trainables.base.Trainable``)."""
 
     kind = "LoRA"
+    writes_models = False
 
     def __init__(self) -> None:
         self.config: Optional[LoraConfig] = None  # set by ``configure``

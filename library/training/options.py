@@ -40,8 +40,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def setup_parser(description: str, trainable: Optional[Any] = None) -> argparse.ArgumentParser:
     """The LoRA trainer's command line (kohya's ``train_network.py`` options, in its groups' order);
-    with ``trainable`` (a full-model one) its options replace the LoRA's, and the LoRA files' format
-    options (``--save_model_as``, ``--save_precision``) are the trainable's."""
+    with ``trainable`` its options replace the LoRA's, and one that writes whole models
+    (``trainable.writes_models``: a full fine-tune) brings its own file format options
+    (``--save_model_as``, ``--save_precision``) and kohya's full-fine-tune compatibility options."""
+    writes_models = trainable is not None and trainable.writes_models
     parser = ArgumentParser(description=description)
     config_file.add_arguments(parser)
     model_loading.add_arguments(parser)
@@ -50,7 +52,7 @@ def setup_parser(description: str, trainable: Optional[Any] = None) -> argparse.
     validation.add_arguments(parser)
     best_checkpoint.add_arguments(parser)
     lr_finder.add_arguments(parser)
-    lora_files.add_arguments(parser, formats=trainable is None)
+    lora_files.add_arguments(parser, formats=not writes_models)
     lora_metadata.add_arguments(parser)
     add_training_arguments(parser)
     fp8_base.add_arguments(parser)
@@ -70,6 +72,6 @@ def setup_parser(description: str, trainable: Optional[Any] = None) -> argparse.
     train_state.add_arguments(parser)
     fault_injection.add_arguments(parser)
     sampling.add_arguments(parser)
-    compatibility.add_arguments(parser, lora=trainable is None)
+    compatibility.add_arguments(parser, lora=not writes_models)
     torch_compile.add_arguments(parser)
     return parser
