@@ -37,7 +37,8 @@ TRAINERS = {
         "--network_dim", "4", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=4"),
         "core.safetensors"),
     "lora-sd15": TrainerUnderTest("train_network.py", "sd15", (
-        "--network_dim", "4", "--network_alpha", "4"), "core.safetensors"),
+        "--network_dim", "4", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=4",
+        "--network_train_unet_only"), "core.safetensors"),
     "full-sdxl": TrainerUnderTest("sdxl_train.py", "sdxl", ("--save_model_as", "safetensors"), "core.safetensors"),
 }
 # A learning rate this high makes the tiny models' fp16 training diverge within a few steps, so the
