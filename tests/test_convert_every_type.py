@@ -20,6 +20,7 @@ from test_convert_to_lora import random_network_file
 import sdxl_train_network
 import train_network
 from library import checkpoint_keys, model_loading
+from library.trainables.lora import LoraConfig, create_network
 from networks import convert_to_lora, merge_lora, network_base, registry
 
 LABELS = list(registry.EXAMPLE_NETWORKS)
@@ -105,7 +106,7 @@ def trainer_loads(tiny_models, kind: str, path, models) -> network_base.AdapterN
         "--pretrained_model_name_or_path", str(tiny_models[f"{kind}_file"]), "--model_config_dir",
         str(tiny_models[f"{kind}_config"]), "--output_dir", "unused", "--network_module", "networks.lora",
         "--network_weights", str(path), "--dim_from_weights"])
-    return trainer().create_network(args, models)
+    return create_network(LoraConfig.from_args(args), models, trainer().unet_module_names(models))
 
 
 @pytest.mark.slow

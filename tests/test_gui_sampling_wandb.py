@@ -62,7 +62,8 @@ def test_nothing_to_sample_trains_and_frees_the_models(tiny_models, demo_dataset
     run_trainer("sdxl_train_network", gui_args(tiny_models, demo_dataset, output_dir, *schedule))
     lines = [line for line in capsys.readouterr().out.splitlines() if "--sample_prompts" in line]
     assert len(lines) == (notice is not None) and all(notice in line for line in lines), lines
-    assert held_models == [(False, 0)] * 2  # VAE and both text encoders released after caching
+    # VAE and both text encoders released after caching (the 2 steps, and the LoRA effect monitor's probe)
+    assert len(held_models) >= 2 and set(held_models) == {(False, 0)}
     assert (output_dir / "run.safetensors").is_file()
     assert not list(output_dir.rglob("*.png"))
 
@@ -72,7 +73,7 @@ def test_scheduled_prompts_keep_the_models_and_sample(tiny_models, demo_dataset,
     (output_dir / "sample").mkdir(parents=True)
     (output_dir / "sample" / "prompt.txt").write_text(PROMPT)
     run_trainer("sdxl_train_network", gui_args(tiny_models, demo_dataset, output_dir, "--sample_every_n_steps", "2"))
-    assert held_models == [(True, 2)] * 2
+    assert len(held_models) >= 2 and set(held_models) == {(True, 2)}
     assert len(list((output_dir / "sample").glob("run_000002_00_*_1.png"))) == 1
     assert "--sample_prompts" not in capsys.readouterr().out
 
