@@ -8,8 +8,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two workers, each taking whole test files (module fixtures are built once), one intra-op thread each.
 # Time: CI took 44 minutes (2643 s) on a fresh 2-core machine with a cold inductor cache before the slow
 # matrices were cut to their distinct cases (`--full_matrix` runs them whole) and the imported objects were
-# frozen for the garbage collector; those cut ~5 CPU-minutes (CPU time measured per test file), so expect
-# about 40 minutes (an estimate: CI's 44 less the cuts), over the 15-minute target. --durations lists the
+# frozen for the garbage collector; those cut ~5 CPU-minutes, but the training core's trainers (full
+# fine-tuning, textual inversion, inpainting) then added ~100 tests: the merged suite ran 59 minutes on a
+# 2-core machine partly shared with other jobs, far over the 15-minute target. --durations lists the
 # slowest tests for the next cuts.
 # Extra arguments come after, so `-n 0` runs it in one process.
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 "$@"
