@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV, model_args, run_sdxl_script, run_trainer
+from conftest import REPO, SCRIPT_ENV, model_args, run_sdxl_script, run_trainer, run_trainer_output
 
 from library import healing
 from library.healing import HealingConfig, HealingPolicy, SampleOutcome, StepOutcome
@@ -387,15 +387,15 @@ def sigkill_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> l
 @pytest.fixture(scope="module")
 def uninterrupted_rewinds(tiny_models, quickstart_dataset, tmp_path_factory) -> tuple[Path, list[int]]:
     output_dir = tmp_path_factory.mktemp("rewinds_reference")
-    result = run_sdxl_script(sigkill_args(tiny_models, quickstart_dataset, output_dir))
-    steps = [int(step) for step in re.findall(r"^step (\d+): .*rewound", result.stdout, re.M)]
-    assert steps, result.stdout[-2000:]
+    output = run_trainer_output("sdxl_train_network", sigkill_args(tiny_models, quickstart_dataset, output_dir))
+    steps = [int(step) for step in re.findall(r"^step (\d+): .*rewound", output, re.M)]
+    assert steps, output[-2000:]
     return output_dir, steps
 
 
 def test_the_same_command_twice_gives_the_same_files(uninterrupted_rewinds, tiny_models, quickstart_dataset,
                                                      tmp_path):
-    reference, _ = uninterrupted_rewinds
+    reference, _ = uninterrupted_rewinds  # trained in this process, the same command again in a process of its own
     run_sdxl_script(sigkill_args(tiny_models, quickstart_dataset, tmp_path))
     for name in ("q.safetensors", "gradient_logs+q.txt", "healing_log+q.txt", "q-nan_report.txt"):
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
@@ -411,8 +411,8 @@ def test_sigkill_around_a_rewind_then_resume_gives_identical_bytes(when, uninter
     argv = sigkill_args(tiny_models, quickstart_dataset, tmp_path)
     killed = run_sdxl_script(argv + ["--debug_kill_in_state_write", str(kill_at)], expect=None)
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_sdxl_script(argv + ["--resume", "auto"])
-    assert f"resumed at step {kill_at - 1} " in resumed.stdout
+    resumed = run_trainer_output("sdxl_train_network", argv + ["--resume", "auto"])  # needs no process of its own
+    assert f"resumed at step {kill_at - 1} " in resumed
     for name in ("q.safetensors", "gradient_logs+q.txt", "healing_log+q.txt"):
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
 

@@ -59,9 +59,8 @@ def launch(argv: list[str]) -> subprocess.Popen:
 
 
 def run_to_end(argv: list[str]) -> str:
-    process = launch(argv)
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, output[-3000:]
+    """A run that is not killed, in this process (a resume reads only the files: it needs no process of its own)."""
+    output = conftest.run_trainer_output("sdxl_train_network", argv)
     assert f"on {conftest.DEVICE}" in output  # trained on the device under test
     return output
 
@@ -78,8 +77,13 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
     assert (resumed / "gradient_logs+run.txt").read_text() == (reference / "gradient_logs+run.txt").read_text()
 
 
+# Each seed kills at another moment (0.3-2 s into the training); CI runs one (with the kill in a state write below,
+# two kill points), --full_matrix all three.
+RANDOM_KILL_SEEDS = [0, 1, 2] if conftest.full_matrix() else [0]
+
+
 @pytest.mark.device
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", RANDOM_KILL_SEEDS)
 def test_sigkill_at_a_random_moment_then_resume_auto_gives_identical_bytes(
     seed, tiny_models, bucketed_dataset, uninterrupted, tmp_path
 ):
