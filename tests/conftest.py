@@ -194,23 +194,25 @@ def run_trainer(script: str, argv: list[str]) -> None:
 
 def run_trainer_output(script: str, argv: list[str], expect: int | None = 0) -> str:
     """``run_trainer`` with what a subprocess of ``run_sdxl_script`` would see: ``SOURCE_DATE_EPOCH`` set (its
-    files are byte-comparable with the subprocesses'), and what it printed (stdout and stderr) returned; its exit
-    code must be ``expect`` (None: any). For runs that need no process of their own (not a kill), it saves a
-    subprocess's start (~10-15 s of imports on 2 cores)."""
+    files are byte-comparable with the subprocesses'); returns what it printed, stdout then stderr (the progress
+    bar's lines), so lines of stdout start their own lines as in a subprocess's stdout. Its exit code must be
+    ``expect`` (None: any). For runs that need no process of their own (not a kill): it saves a subprocess's start
+    (its imports)."""
     import contextlib
     import io
 
-    output = io.StringIO()
+    stdout, stderr = io.StringIO(), io.StringIO()
     code = 0
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         patch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])
         try:
             run_trainer(script, argv)
         except SystemExit as exited:
             code = exited.code if isinstance(exited.code, int) else 1
+    output = stdout.getvalue() + stderr.getvalue()
     if expect is not None:
-        assert code == expect, output.getvalue()[-3000:]
-    return output.getvalue()
+        assert code == expect, output[-3000:]
+    return output
 
 
 def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_train_network") -> str:
