@@ -11,6 +11,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # frozen for the garbage collector; those cut ~5 CPU-minutes, but the training core's trainers (full
 # fine-tuning, textual inversion, inpainting) then added ~100 tests: the merged suite ran 59 minutes on a
 # 2-core machine partly shared with other jobs, far over the 15-minute target. --durations lists the
-# slowest tests for the next cuts.
+# slowest tests for the next cuts. Then the runs that need no process of their own (references, resumes,
+# one-process comparisons) moved into the test's process and rarely-informative cases behind --full_matrix;
+# what costs most in a tiny run now (py-spy, an 8-step fp16 SDXL LoRA run): the tiny VAE's 64 px encoder (69% of
+# the samples; the latents are not cached) and the effect monitor's probe (49%: at each check, every quarter of
+# a short run, it encodes its batch once per fixed timestep, twice at the first check for the base model).
 # Extra arguments come after, so `-n 0` runs it in one process.
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 "$@"
