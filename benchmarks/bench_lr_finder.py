@@ -180,8 +180,15 @@ def classic_rules(rows) -> dict[str, Optional[float]]:
     return {"steepest": steepest, "min/10": lowest / 10}
 
 
-def finder(trainer, run) -> tuple[Optional[float], dict[str, Optional[float]]]:
-    """The finder's suggestion and the classic rules' rates, from one ramp (everything put back)."""
+def finder_rule(found) -> Optional[float]:
+    """The suggestion ``--find_lr`` printed until this experiment: a decade below the unstable edge, not below
+    the lowest rate with a measurable effect (none without one)."""
+    return None if found.low is None else max(found.low, found.unstable / 10)
+
+
+def finder(trainer, run) -> tuple[dict[str, Optional[float]], dict]:
+    """The rules' rates (the finder's former suggestion, the classic rules) and the ramp (its window and rows),
+    from one ramp (everything put back)."""
     from library import lr_finder
 
     progress, states = run.progress, run.states
@@ -190,21 +197,28 @@ def finder(trainer, run) -> tuple[Optional[float], dict[str, Optional[float]]]:
         rows, base = lr_finder.ramp(trainer, run)
     finally:
         states.restore(run.device)
-    return lr_finder.window(rows, base, run.args.find_lr_max).suggestion, classic_rules(rows)
+    found = lr_finder.window(rows, base, run.args.find_lr_max)
+    ramp = {"low": found.low, "unstable": found.unstable, "diverged": found.diverged,
+            "rows": [(row.learning_rate, row.train_loss, row.probe_loss / base) for row in rows]}
+    return {"finder": finder_rule(found), **classic_rules(rows)}, ramp
 
 
-def data_seed_result(models: Path, base: Path, work: Path, data_seed: int, alpha: float, args) -> dict:
+def data_seed_result(models: Path, base: Path, work: Path, data_seed: int, alpha: float, args) -> Optional[dict]:
     """One data seed's band and rules; kept in ``work`` (``result_B<seed>_a<alpha>.json``, with the settings
     it was made with), so data seeds can run as separate processes and a last run prints the summary."""
     from tools.make_demo_dataset import make_demo_dataset
 
     settings = {key: getattr(args, key) for key in ("seeds", "steps", "low", "high", "finder_steps", "base_steps")}
+    if alpha != 1.0:
+        settings["seeds"] = args.alpha_seeds or args.seeds
     kept = work / f"result_B{data_seed}_a{alpha:g}.json"
     if kept.exists():
         result = json.loads(kept.read_text())
         if result["settings"] == settings:
             print(result["line"], flush=True)
             return result
+    if args.summary_only:
+        return None
     dataset = work / f"set_B{data_seed}"
     if not dataset.exists():
         make_demo_dataset(str(dataset), count=6, size=64, repeats=1, seed=data_seed)
@@ -212,28 +226,34 @@ def data_seed_result(models: Path, base: Path, work: Path, data_seed: int, alpha
                                       args.finder_steps))
     started, cpu_started = time.perf_counter(), time.process_time()
     with run.outputs:
-        suggestion, classic = finder(trainer, run)
+        rules, ramp = finder(trainer, run)
         print(f"finder: {time.perf_counter() - started:.1f} s wall, {time.process_time() - cpu_started:.1f} s CPU",
               flush=True)
-        points = grid(trainer, run, grid_rates(args.low, args.high), args.seeds, args.steps)
+        points = grid(trainer, run, grid_rates(args.low, args.high), settings["seeds"], args.steps)
     rates, best = band(points)
-    rules = {"finder": suggestion, **classic}
     line = (f"RESULT data seed {data_seed} alpha {alpha:g}: good band {min(rates):.2g} .. {max(rates):.2g} "
           f"(best {best:.2g}; gains " + ", ".join(f"{point.rate:.1e}:{statistics.mean(point.gains):+.4f}"
-                                                  f"{'!' if point.diverged else ''}" for point in points) + "); "
+                                                  f"{'!' if point.diverged else ''}" for point in points) + f"); finder window "
+            + (f"{ramp['low']:.2g}" if ramp["low"] is not None else "none") + f" .. {ramp['unstable']:.2g}; "
           + ", ".join(f"{name} {rate:.2g} {'IN' if in_band(rate, (min(rates), max(rates))) else 'out'}"
                       if rate is not None else f"{name} none" for name, rate in rules.items())
           + f" ({time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_started:.0f} s CPU)")
     print(line, flush=True)
     result = {"band": (min(rates), max(rates)), "best": best, "rules": rules, "line": line, "settings": settings,
+              "ramp": ramp,
               "gains": {f"{point.rate:.3e}": point.gains for point in points},
               "diverged": [f"{point.rate:.3e}" for point in points if point.diverged]}
     kept.write_text(json.dumps(result, indent=1))
     return result
 
 
+HALF_STEP = 10 ** (1 / 6)  # half the grid's step: a rate within it of a band rate rounds to it
+
+
 def in_band(rate: Optional[float], limits: tuple[float, float]) -> bool:
-    return rate is not None and limits[0] / 1.0001 <= rate <= limits[1] * 1.0001
+    """Whether ``rate`` rounds (on the log grid) to a rate of the band ``limits`` (its lowest .. highest rate):
+    the grid cannot tell rates apart more finely, and a one-rate band would take no rate between grid points."""
+    return rate is not None and limits[0] / HALF_STEP <= rate <= limits[1] * HALF_STEP
 
 
 def main() -> None:
@@ -249,7 +269,11 @@ def main() -> None:
     parser.add_argument("--high", type=float, default=1e-1)
     parser.add_argument("--finder_steps", type=int, default=40)
     parser.add_argument("--base_steps", type=int, default=60, help="steps of the base's pre-training on set A")
+    parser.add_argument("--summary_only", action="store_true", help="the summary of the results kept in --work "
+                                                                     "(the data seeds not run are left out)")
     parser.add_argument("--alpha_check", action="store_true", help="also data seed 0 with --network_alpha = rank")
+    parser.add_argument("--alpha_seeds", type=int, default=None, help="training seeds per grid point of the "
+                                                                      "--alpha_check run (default --seeds)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 data seed, 1 seed, 4 steps, "
                                                              "rates 1e-4 .. 1e-2")
     args = parser.parse_args()
@@ -263,20 +287,31 @@ def main() -> None:
         if args.alpha_check:
             data_seed_result(models, base, args.work, 0, float(RANK), args)
         return
-    results = [data_seed_result(models, base, args.work, seed, 1.0, args) for seed in range(args.data_seeds)]
+    kept = {seed: data_seed_result(models, base, args.work, seed, 1.0, args) for seed in range(args.data_seeds)}
+    seeds = [seed for seed, result in kept.items() if result is not None]
+    results = [kept[seed] for seed in seeds]
+    for result, seed in zip(results, seeds):
+        print(f"RESULT data seed {seed}: band {result['band'][0]:.2g} .. {result['band'][1]:.2g}; " + ", ".join(
+            f"{rule} " + (f"{rate:.2g} {'in' if in_band(rate, result['band']) else 'out'}" if rate else "none")
+            for rule, rate in result["rules"].items()))
     for rule in results[0]["rules"]:
         rates = [result["rules"][rule] for result in results]
         hits = sum(in_band(rate, result["band"]) for rate, result in zip(rates, results))
         found = [rate for rate in rates if rate is not None]
         print(f"RESULT {rule}: in the good band for {hits} of {len(results)} data seeds; spread "
               + (f"{max(found) / min(found):.2f}x" if found else "none"))
-    if args.alpha_check:
+    if args.alpha_check and 0 in seeds:
         scaled = data_seed_result(models, base, args.work, 0, float(RANK), args)
+    if args.alpha_check and 0 in seeds and scaled is not None:
         best_ratio = results[0]["best"] / scaled["best"]
         finder_ratio = (results[0]["rules"]["finder"] / scaled["rules"]["finder"]
                         if results[0]["rules"]["finder"] and scaled["rules"]["finder"] else math.nan)
         print(f"RESULT --network_alpha 1 -> {RANK}: the grid's best rate moves {best_ratio:.2f}x down, the finder's "
               f"suggestion {finder_ratio:.2f}x (within 2x: {0.5 <= finder_ratio / best_ratio <= 2})")
+        for edge in ("low", "unstable"):
+            if "ramp" in results[0] and "ramp" in scaled and results[0]["ramp"][edge] and scaled["ramp"][edge]:
+                print(f"RESULT --network_alpha 1 -> {RANK}: the finder window's {edge} edge moves "
+                      f"{results[0]['ramp'][edge] / scaled['ramp'][edge]:.2f}x down")
 
 
 if __name__ == "__main__":
