@@ -5,9 +5,9 @@ quick start's settings (no validation split, so the monitor measures on its trai
   ways: inside the run (the forward's own time), and run against run (the median step with the option
   over the median step without it);
 * the effect monitor: the time of one check (the training probe's pass, the weight ratios, the
-  warning) and of its call on the other steps, as a share of a step at the default cadence (a check
-  every ``lora_effect.CHECK_STEP_CAP`` = 50 steps in runs of 200 steps or more); the first check's
-  one-time base pass apart;
+  warning) and of its call on the other steps, as a share of a step at the default cadence of a long
+  run (``lora_effect.is_check``: in runs of 200 steps or more the check at step 50, then one every
+  ``LATER_CHECK_EVERY`` = 100 steps); the first check's one-time base pass apart;
 * ``--find_lr``: its time in training steps.
 
 The machine these run on is shared, so the parts are timed inside each run (the trainer's own
@@ -103,7 +103,7 @@ def main() -> None:
     from library import lora_effect, lr_finder
     from library.training import diffusion_loss, trainer
 
-    cadence = lora_effect.CHECK_STEP_CAP
+    cadence = lora_effect.LATER_CHECK_EVERY  # the default cadence of a long run (after the check at step 50)
     every = lora_effect.check_step(args.steps)  # check() is called every step and works at its multiples
     wrapped = {"step": (trainer.Trainer, "train_step"), "debiased": (diffusion_loss, "add_base_loss"),
                "check": (lora_effect.EffectMonitor, "check")}

@@ -12,9 +12,9 @@ It stops at a non-finite loss or when the probe loss is clearly worse than the b
 (``UNSTABLE_RATIO``: 5% above). It reports a **window**: the lowest rate with a measurable effect
 (the probe loss moved by more than ``EFFECT_FLOOR`` = 0.1% of the base's) and the rate where
 training turns unstable (the stop; ``--find_lr_max`` when it never did). It suggests no single rate:
-benchmarks/bench_lr_finder.py found no rule on the ramp that lands in the good band of a constant-rate
-grid reliably (docs/know_your_lora.md); the unstable edge is an upper bound (a run that stays at one
-rate diverges below it).
+in benchmarks/bench_lr_finder.py the classic rule (a decade below the edge, not below the low edge)
+missed the good band of a constant-rate grid (docs/know_your_lora.md); the unstable edge is an upper
+bound only (a run that stays at one rate diverges well below it).
 
 Everything it touched is put back bit-exactly afterwards (``RunStates.capture/restore``: network,
 optimizer, schedule, scaler, guard, EMA and every RNG; the self-healing's healthy point is kept
@@ -241,5 +241,5 @@ def report(args: argparse.Namespace, rows: list[FinderRow], base: float, found: 
               f"{base:.6f}. Wrote {csv_path}" + (f" and {plot}" if plot else ""))
         return
     print(f"--find_lr: window {found.low:.3g} .. {found.unstable:.3g} (lowest rate with a measurable effect .. "
-          f"{edge}); {len(rows)} steps. Train inside it, below the unstable edge: a run that stays at one rate "
-          f"diverges lower (docs/know_your_lora.md). Wrote {csv_path}" + (f" and {plot}" if plot else ""))
+          f"{edge}); {len(rows)} steps. No rate is suggested: a run that stays at one rate diverges well below the "
+          f"unstable edge (docs/know_your_lora.md). Wrote {csv_path}" + (f" and {plot}" if plot else ""))

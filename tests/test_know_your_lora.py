@@ -100,6 +100,8 @@ def test_no_validation_no_best_file(tiny_models, three_images, tmp_path, capsys)
 def test_the_check_comes_by_step_50():
     assert lora_effect.check_step(8) == 2 and lora_effect.check_step(40) == 10
     assert max(lora_effect.check_step(steps) for steps in range(1, 100000, 7)) == lora_effect.CHECK_STEP_CAP == 50
+    assert [step for step in range(1, 401) if lora_effect.is_check(step, 50)] == [50, 100, 200, 300, 400]
+    assert [step for step in range(1, 9) if lora_effect.is_check(step, 2)] == [2, 4, 6, 8]
 
 
 @pytest.fixture(scope="module")
