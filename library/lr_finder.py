@@ -11,8 +11,10 @@ loss unreadable. The base model's probe loss is the multiplier-0 value.
 It stops at a non-finite loss or when the probe loss is clearly worse than the base model's
 (``UNSTABLE_RATIO``: 5% above). It reports a **window**: the lowest rate with a measurable effect
 (the probe loss moved by more than ``EFFECT_FLOOR`` = 0.1% of the base's) and the rate where
-training turns unstable (the stop; ``--find_lr_max`` when it never did), and one suggestion inside
-it: a decade below the unstable edge (the classic rule), not below the low edge.
+training turns unstable (the stop; ``--find_lr_max`` when it never did). It suggests no single rate:
+in benchmarks/bench_lr_finder.py the classic rule (a decade below the edge, not below the low edge)
+missed the good band of a constant-rate grid (docs/know_your_lora.md); the unstable edge is an upper
+bound only (a run that stays at one rate diverges well below it).
 
 Everything it touched is put back bit-exactly afterwards (``RunStates.capture/restore``: network,
 optimizer, schedule, scaler, guard, EMA and every RNG; the self-healing's healthy point is kept
@@ -44,7 +46,8 @@ LR_FREE_OPTIMIZERS = ("prodigy", "dadapt")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--find_lr", action="store_true",
                         help="before training, run a learning-rate range test on a fixed probe of training images; "
-                             "prints a window and a suggestion, writes <output_name>-lr_find.csv, then trains as "
+                             "prints a window (the lowest rate with an effect .. where training turns unstable), "
+                             "writes <output_name>-lr_find.csv, then trains as "
                              "given (the run is the same as without it)")
     parser.add_argument("--find_lr_only", action="store_true", help="run the --find_lr test, print it and exit")
     parser.add_argument("--find_lr_steps", type=int, default=40, help="steps of the range test (default 40)")
@@ -87,7 +90,6 @@ class Window:
     low: Optional[float]  # lowest rate with a measurable effect (None: none up to the top)
     unstable: float  # where training turned unstable (the top of the ramp when it never did)
     diverged: bool
-    suggestion: Optional[float]
 
 
 def window(rows: list[FinderRow], base: float, top: float) -> Window:
@@ -97,9 +99,7 @@ def window(rows: list[FinderRow], base: float, top: float) -> Window:
     unstable_row = next((row for row in rows if not math.isfinite(row.probe_loss) or not math.isfinite(row.train_loss)
                          or row.probe_loss > UNSTABLE_RATIO * base), None)
     unstable = unstable_row.learning_rate if unstable_row is not None else top
-    if low is None:
-        return Window(None, unstable, unstable_row is not None, None)
-    return Window(low, unstable, unstable_row is not None, max(low, unstable / 10))
+    return Window(low, unstable, unstable_row is not None)
 
 
 def csv_text(rows: list[FinderRow], base: float) -> str:
@@ -124,8 +124,8 @@ def write_plot(path: str, rows: list[FinderRow], base: float, found: Window) -> 
     axis.axhline(1.0, color="grey", linewidth=0.8)
     if found.low is not None:
         axis.axvspan(found.low, found.unstable, color="tab:green", alpha=0.15, label="window")
-    if found.suggestion is not None:
-        axis.axvline(found.suggestion, color="tab:green", label=f"suggestion {found.suggestion:.2g}")
+    if found.diverged:
+        axis.axvline(found.unstable, color="tab:red", label=f"unstable from {found.unstable:.2g}")
     axis.set_xlabel("learning rate")
     axis.set_ylabel("probe loss / base")
     axis.legend()
@@ -241,5 +241,5 @@ def report(args: argparse.Namespace, rows: list[FinderRow], base: float, found: 
               f"{base:.6f}. Wrote {csv_path}" + (f" and {plot}" if plot else ""))
         return
     print(f"--find_lr: window {found.low:.3g} .. {found.unstable:.3g} (lowest rate with a measurable effect .. "
-          f"{edge}); suggested --learning_rate {found.suggestion:.2g}; {len(rows)} steps. Wrote {csv_path}"
-          + (f" and {plot}" if plot else ""))
+          f"{edge}); {len(rows)} steps. No rate is suggested: a run that stays at one rate diverges well below the "
+          f"unstable edge (docs/know_your_lora.md). Wrote {csv_path}" + (f" and {plot}" if plot else ""))

@@ -100,6 +100,8 @@ def test_no_validation_no_best_file(tiny_models, three_images, tmp_path, capsys)
 def test_the_check_comes_by_step_50():
     assert lora_effect.check_step(8) == 2 and lora_effect.check_step(40) == 10
     assert max(lora_effect.check_step(steps) for steps in range(1, 100000, 7)) == lora_effect.CHECK_STEP_CAP == 50
+    assert [step for step in range(1, 401) if lora_effect.is_check(step, 50)] == [50, 100, 200, 300, 400]
+    assert [step for step in range(1, 9) if lora_effect.is_check(step, 2)] == [2, 4, 6, 8]
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +269,7 @@ def test_lr_window_from_the_rows():
             enumerate([(1e-6, 1.0), (1e-5, 1.0005), (1e-4, 0.99), (1e-3, 0.95), (1e-2, 1.2)], 1)]
     found = lr_finder.window(rows, 1.0, top=1.0)
     assert (found.low, found.unstable, found.diverged) == (1e-4, 1e-2, True)
-    assert found.suggestion == pytest.approx(1e-3)
-    assert lr_finder.window(rows[:2], 1.0, top=1e-5).suggestion is None  # no measurable effect: no suggestion
+    assert lr_finder.window(rows[:2], 1.0, top=1e-5) == lr_finder.Window(None, 1e-5, False)  # no effect, stable
     assert lr_finder.learning_rate_at(0, 5, 1e-6, 1e-2) == 1e-6
     assert lr_finder.learning_rate_at(4, 5, 1e-6, 1e-2) == pytest.approx(1e-2)
 
