@@ -58,7 +58,9 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
     accelerator = resolve_options(trainer, args, explicit)
     trainable.configure(args)  # its options, final now (aliases, presets applied)
     resume_from = train_state.find_resume_state(args, accelerator.num_processes, family.is_sdxl)  # before any model load
-    data = build_data(args, accelerator, family.min_bucket_steps)
+    data = trainable.training_data(args, accelerator)  # None: the image dataset of the options
+    if data is None:
+        data = build_data(args, accelerator, family.min_bucket_steps)
     if data is None:
         return None
     ema.check_steps(args, args.max_train_steps)  # the steps are known once the data is
