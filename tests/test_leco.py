@@ -314,3 +314,21 @@ def test_killed_in_a_state_write_then_resumed_gives_the_uninterrupted_bytes(tiny
     assert resumed.returncode == 0 and "resumed at step 2 " in resumed.stdout, resumed.stdout[-3000:]
     assert resumed.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
     assert (tmp_path / "run" / "s.safetensors").read_bytes() == (tmp_path / "ref" / "s.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_the_end_line_counts_a_step_the_core_skipped(tiny_models, tmp_path, capsys):
+    """The core's honest end line for a LECO run: a non-finite gradient injected at step 2 is not
+    trained (the guard's non-finite path), the line says so, and its average loss keeps its
+    significant digits (4 of them: LECO's losses are ~1e-6)."""
+    import sdxl_train_leco
+
+    prompts_file = write(tmp_path, "slider.toml", SLIDER_TOML)
+    sdxl_train_leco.main([*model_args(tiny_models, "sdxl"), "--prompts_file", str(prompts_file), "--output_dir",
+                          str(tmp_path / "out"), "--output_name", "s", "--network_dim", "1", "--max_train_steps", "4",
+                          "--max_denoising_steps", "3", "--seed", "3", "--debug_inject_grad", "2=nan"])
+    final = capsys.readouterr().out.strip().splitlines()[-1]
+    assert final.startswith("done: 4 steps, 3 trained; skipped: guard 0, loss scaler 0, non-finite loss 0, "
+                            "non-finite gradient 1;"), final
+    average = float(final.split("final average loss ")[1].split()[0])  # LECO's ~1e-6 losses: shown, not 0.0000
+    assert 0 < average < 1e-2, final
