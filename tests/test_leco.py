@@ -298,21 +298,25 @@ def leco_run_argv(tiny_models, prompts_file: Path, output_dir: Path) -> list[str
 
 
 @pytest.mark.slow
-def test_killed_in_a_state_write_then_resumed_gives_the_uninterrupted_bytes(tiny_models, tmp_path):
+def test_killed_in_a_state_write_then_resumed_gives_the_uninterrupted_bytes(tiny_models, tmp_path, capsys,
+                                                                            monkeypatch):
     """Every draw of a LECO micro-batch (pair, denoising steps, initial and step noise) is keyed by the
     seed and its position, so the resumed run trains what the uninterrupted one trained; the end line
-    is the core's honest one."""
+    is the core's honest one. (The killed run is a subprocess; the others run in this process.)"""
+    import sdxl_train_leco
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])  # the files' dates, as the subprocess's
     prompts_file = write(tmp_path, "slider.toml", SLIDER_TOML)
-    reference = run_script("sdxl_train_leco.py", leco_run_argv(tiny_models, prompts_file, tmp_path / "ref"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert reference.stdout.strip().splitlines()[-1].startswith(
-        "done: 6 steps, 6 trained; skipped: guard 0, loss scaler "), reference.stdout[-2000:]
+    sdxl_train_leco.main(leco_run_argv(tiny_models, prompts_file, tmp_path / "ref"))
+    reference = capsys.readouterr().out
+    assert reference.strip().splitlines()[-1].startswith(
+        "done: 6 steps, 6 trained; skipped: guard 0, loss scaler "), reference[-2000:]
     argv = leco_run_argv(tiny_models, prompts_file, tmp_path / "run")
     killed = run_script("sdxl_train_leco.py", argv + ["--debug_kill_in_state_write", "3"])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = run_script("sdxl_train_leco.py", argv + ["--resume", "auto"])
-    assert resumed.returncode == 0 and "resumed at step 2 " in resumed.stdout, resumed.stdout[-3000:]
-    assert resumed.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
+    sdxl_train_leco.main(argv + ["--resume", "auto"])
+    resumed = capsys.readouterr().out
+    assert "resumed at step 2 " in resumed and resumed.strip().splitlines()[-1].startswith("done: 6 steps"), resumed
     assert (tmp_path / "run" / "s.safetensors").read_bytes() == (tmp_path / "ref" / "s.safetensors").read_bytes()
 
 
@@ -332,3 +336,23 @@ def test_the_end_line_counts_a_step_the_core_skipped(tiny_models, tmp_path, caps
                             "non-finite gradient 1;"), final
     average = float(final.split("final average loss ")[1].split()[0])  # LECO's ~1e-6 losses: shown, not 0.0000
     assert 0 < average < 1e-2, final
+
+
+@pytest.mark.slow
+def test_a_diverging_leco_run_heals_and_the_nan_report_names_the_pair(tiny_models, tmp_path, capsys):
+    """Learning rate 1 under fp16 makes the tiny SDXL's forward overflow within a few steps (measured:
+    first non-finite loss at step 5, rewinds at steps 6 and 8): the core's healing rewinds through
+    the LECO batches (their positions), and the NaN report names the prompt pair as it names an image."""
+    import sdxl_train_leco
+
+    prompts_file = write(tmp_path, "slider.toml", SLIDER_TOML)
+    sdxl_train_leco.main([*model_args(tiny_models, "sdxl"), "--prompts_file", str(prompts_file), "--output_dir",
+                          str(tmp_path / "out"), "--output_name", "h", "--network_dim", "4", "--max_train_steps", "8",
+                          "--max_denoising_steps", "3", "--seed", "42", "--mixed_precision", "fp16",
+                          "--grad_guard_preset", "stable", "--learning_rate", "1", "--optimizer_type", "AdamW",
+                          "--rewind_every_n_steps", "2"])
+    output = capsys.readouterr().out
+    assert "rewound to the healthy point of step" in output, output[-3000:]
+    report = (tmp_path / "out" / "h-nan_report.txt").read_text()
+    assert f"{prompts_file} (pair " in report and "caption 'photo'" in report, report
+    assert output.strip().splitlines()[-1].startswith("done: 8 steps") and "rewinds " in output.splitlines()[-1]
