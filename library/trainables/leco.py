@@ -128,6 +128,8 @@ class PromptPairSet:
     """The pairs in the role of the image dataset (what the healing, its quarantine and the NaN
     report read): a sample id is the pair's index."""
 
+    unit = "prompt pairs"
+
     def __init__(self, prompts_file: str, pairs: list[PromptPair]) -> None:
         self.pairs = pairs
         self.images = [PromptPairItem(f"{prompts_file} (pair {index + 1}: {pair.action} {pair.positive!r} at "

@@ -75,7 +75,7 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
                                   loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
     metadata = {} if not accelerator.is_main_process else trainable.metadata(
         args, accelerator, models, data, optimization, progress)
-    print(f"training: {data.dataset.num_train_images} images, {len(data)} batches per epoch, {data.num_epochs} "
+    print(f"training: {data.dataset.num_train_images} {data.dataset.unit}, {len(data)} batches per epoch, {data.num_epochs} "
           f"epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision} "
           f"on {accelerator.device.type}")
     outputs = RunOutputs(args, accelerator, with_scaler=optimization.scaler is not None,
