@@ -543,7 +543,7 @@ class HealingPolicy:
         if self.rewinds:
             line += f" (learning rate now {describe_rates(learning_rates)}, x{self.lr_scale:g})"
         if average_over:
-            line += f"; final average loss {average_loss:.4f} over the last {average_over} steps"
+            line += f"; final average loss {average_loss:.4g} over the last {average_over} steps"
         else:
             line += "; no finite loss to average"
         return line

@@ -140,6 +140,8 @@ class StepLayout:
 class TrainDataset(torch.utils.data.Dataset):
     """Batches of one bucket each; ``set_epoch`` reorders them, also inside persistent workers."""
 
+    unit = "images"  # what the run's first line counts (a trainable's own samples name theirs)
+
     def __init__(self, plan: Plan, seed: int) -> None:
         self.plan = plan
         self.seed = seed

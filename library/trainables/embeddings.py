@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 from accelerate import Accelerator
@@ -23,6 +23,7 @@ from library import checkpoint_files, lora_files, lora_metadata
 from library.errors import UserError, first_line
 from library.model_loading import StableDiffusionModels
 from library.trainables import lora
+from library.trainables.base import Trainable
 
 # The prompt templates of the textual inversion paper's code (kohya's ``imagenet_templates_small`` /
 # ``imagenet_style_templates_small``): with a template option each caption is one of these, drawn anew.
@@ -244,7 +245,7 @@ def read_embedding_file(path: str, keys: tuple[str, ...]) -> dict[str, torch.Ten
     return vectors
 
 
-class EmbeddingTrainable:
+class EmbeddingTrainable(Trainable):
     """New token embeddings trained on the family's text encoders (``library.trainables.base.Trainable``)."""
 
     kind = "embedding"
@@ -330,25 +331,9 @@ class EmbeddingTrainable:
         writer.trained = resumed or bool(self.config.weights)
         return writer
 
-    def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
-        pass
-
     # -- during the run ------------------------------------------------------------------------
-    def after_optimizer_step(self) -> dict[str, float]:
-        return {}
-
     def weights_finite(self) -> bool:
         return bool(torch.stack([torch.isfinite(vector).all() for vector in self.module.vectors]).all())
-
-    def before_training(self, trainer: Any, run: Any) -> None:
-        pass  # no monitor of its own
-
-    def step_scalars(self, step: int, *, guard_skipped: int, guard_window: Sequence[float], scaler_skipped: int,
-                     learning_rates: list[float]) -> dict[str, float]:
-        return {}
-
-    def validation_pass(self, run: Any, kind: str, run_pass: Any, batch_loss: Any) -> dict[str, float]:
-        return run_pass()
 
     def check_written(self, path: str, save_dtype: Optional[torch.dtype]) -> None:
         """The file re-read holds the trained vectors (in the saved dtype)."""

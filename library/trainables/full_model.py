@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from accelerate import Accelerator
@@ -33,6 +33,7 @@ from library.errors import UserError
 from library.full_model_files import ModelFormat, ModelSaver
 from library.full_training_params import Script, TrainedParts
 from library.model_loading import StableDiffusionModels
+from library.trainables.base import Trainable
 from library.training import checks
 
 LORA_ONLY_DEFAULTS = {
@@ -116,7 +117,7 @@ def validate_arguments(args: argparse.Namespace, script: Script, sdxl: bool) -> 
     checks.validate_run_arguments(args, sdxl)
 
 
-class FullModelTrainable:
+class FullModelTrainable(Trainable):
     """The UNet (and text encoders) fine-tuned whole (see ``library.trainables.base.Trainable``)."""
 
     kind = "model"
@@ -197,26 +198,9 @@ class FullModelTrainable:
         writer.trained = resumed
         return writer
 
-    def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
-        pass
-
     # -- during the run ------------------------------------------------------------------------
-    def after_optimizer_step(self) -> dict[str, float]:
-        return {}
-
     def weights_finite(self) -> bool:
         return bool(torch.stack([torch.isfinite(p).all() for p in self.module.trained.values()]).all())
-
-    def before_training(self, trainer: Any, run: Any) -> None:
-        pass  # no monitor of its own
-
-    def step_scalars(self, step: int, *, guard_skipped: int, guard_window: Sequence[float], scaler_skipped: int,
-                     learning_rates: list[float]) -> dict[str, float]:
-        return {}
-
-    def validation_pass(self, run: Any, kind: str, run_pass: Callable[[], dict[str, float]],
-                        batch_loss: Any) -> dict[str, float]:
-        return run_pass()
 
     def check_written(self, path: str, save_dtype: Optional[torch.dtype]) -> None:
         """A single ``.safetensors`` file re-read holds the trained UNet's tensors (catches save bugs)."""

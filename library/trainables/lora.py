@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from library import ema, fp8_base, inpainting, lora_effect, lora_files, lora_metadata, optimizers, train_state
 from library.errors import UserError
 from library.model_loading import StableDiffusionModels
+from library.trainables.base import Trainable
 from library.training import checks
 from networks import network_base, registry
 
@@ -141,7 +142,7 @@ class LoraConfig:
         )
 
 
-class LoraTrainable:
+class LoraTrainable(Trainable):
     """A LoRA network trained on the family's models (see ``library.trainables.base.Trainable``)."""
 
     kind = "LoRA"

@@ -58,7 +58,9 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
     accelerator = resolve_options(trainer, args, explicit)
     trainable.configure(args)  # its options, final now (aliases, presets applied)
     resume_from = train_state.find_resume_state(args, accelerator.num_processes, family.is_sdxl)  # before any model load
-    data = build_data(args, accelerator, family.min_bucket_steps)
+    data = trainable.training_data(args, accelerator)  # None: the image dataset of the options
+    if data is None:
+        data = build_data(args, accelerator, family.min_bucket_steps)
     if data is None:
         return None
     ema.check_steps(args, args.max_train_steps)  # the steps are known once the data is
@@ -73,7 +75,7 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
                                   loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
     metadata = {} if not accelerator.is_main_process else trainable.metadata(
         args, accelerator, models, data, optimization, progress)
-    print(f"training: {data.dataset.num_train_images} images, {len(data)} batches per epoch, {data.num_epochs} "
+    print(f"training: {data.dataset.num_train_images} {data.dataset.unit}, {len(data)} batches per epoch, {data.num_epochs} "
           f"epochs, {args.max_train_steps} optimizer steps, mixed precision {args.mixed_precision} "
           f"on {accelerator.device.type}")
     outputs = RunOutputs(args, accelerator, with_scaler=optimization.scaler is not None,

@@ -71,7 +71,10 @@ def backward_window(
 def plan_loss(run: LossContext, batch: dict[str, Any], epoch: int, timesteps: Optional[torch.Tensor] = None
               ) -> losses.BatchWeights:
     """The batch's loss weights (per-sample, SNR, mask) without running the model; ``timesteps``
-    (long (B,)) replaces the keyed draw (validation's fixed timesteps)."""
+    (long (B,)) replaces the keyed draw (validation's fixed timesteps), as do the batch's own
+    ``timesteps`` (a trainable's batches: ``Trainable.training_data``)."""
+    if timesteps is None:
+        timesteps = batch.get("timesteps")
     if "latents" in batch:
         latent_hw = tuple(batch["latents"].shape[2:])
     else:

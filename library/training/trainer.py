@@ -175,7 +175,7 @@ class Trainer:
 
     def compute_loss(self, run: LossContext, batch: dict[str, Any], epoch: int, plan: losses.BatchWeights,
                      timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None) -> losses.WeightedLoss:
-        return diffusion_loss.compute_loss(self, run, batch, epoch, plan, timesteps, seed)
+        return self.trainable.compute_loss(self, run, batch, epoch, plan, timesteps, seed)  # default: diffusion_loss
 
     def validation_loss(self, run: LossContext, batch: dict[str, Any], timesteps: torch.Tensor, epoch: int,
                         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
