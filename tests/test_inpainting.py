@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import REPO, SCRIPT_ENV, model_args, run_trainer, train_expecting_user_error
 from safetensors.torch import load_file
 
 from library import inpainting, noise
@@ -163,6 +166,31 @@ def test_an_inpainting_lora_trains(name, script, tiny_models, tiny_inpainting, o
     assert last < first
     weights = load_file(tmp_path / "inpaint.safetensors")
     assert any(key.startswith("lora_unet_") for key in weights)
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_gives_the_uninterrupted_lora_bytes(tiny_models, tiny_inpainting, one_image_dataset,
+                                                               tmp_path, capsys, monkeypatch):
+    """kill -9 mid-epoch, then ``--resume auto``: the resumed run draws the uninterrupted run's masks (keyed
+    by seed, epoch and sample, not by a stream position), so its LoRA is the same bytes."""
+    model = ["--pretrained_model_name_or_path", str(tiny_inpainting["sd15_inpaint_file"]),
+             "--model_config_dir", str(tiny_models["sd15_config"])]
+
+    def argv(output_dir: Path, *extra: str) -> list[str]:
+        return lora_argv(model, one_image_dataset, output_dir, "--train_inpainting", "--learning_rate", "1e-3",
+                         "--train_batch_size", "2", "--max_train_steps", "6", "--save_state",
+                         "--save_every_n_steps", "2", *extra)  # 5 steps an epoch: the kill is mid-epoch
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])  # the metadata's times, as the killed run's
+    run_trainer("train_network", argv(tmp_path / "reference"))
+    killed = subprocess.run([sys.executable, str(REPO / "train_network.py"),
+                             *argv(tmp_path / "run", "--debug_kill_in_state_write", "2")],  # dies writing step 4's
+                            cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_trainer("train_network", argv(tmp_path / "run", "--resume", "auto"))
+    assert "resumed at step 2 " in capsys.readouterr().out
+    name = "inpaint.safetensors"
+    assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
 
 
 def test_sample_prompts_with_img_and_mask(tiny_models, tiny_inpainting, one_image_dataset, tmp_path):
