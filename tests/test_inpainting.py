@@ -286,3 +286,24 @@ def test_full_fine_tune_refuses_inpainting_on_a_four_channel_model(tiny_models, 
         full_argv(model_args(tiny_models, "sdxl"), one_image_dataset, tmp_path, "--train_inpainting"),
         capsys, script="sdxl_train")
     assert error.startswith("error: --train_inpainting:") and "4 channels" in error
+
+
+@pytest.mark.slow
+def test_textual_inversion_on_an_inpainting_model(tiny_models, tiny_inpainting, one_image_dataset, tmp_path):
+    """kohya lists train_textual_inversion.py among the --train_inpainting scripts: the new vectors train
+    through the 9-channel UNet (the mask input as for a LoRA)."""
+    model = ["--pretrained_model_name_or_path", str(tiny_inpainting["sd15_inpaint_file"]),
+             "--model_config_dir", str(tiny_models["sd15_config"])]
+    run_trainer("train_textual_inversion", [
+        *model, "--train_data_dir", str(one_image_dataset), "--resolution", "64", "--output_dir", str(tmp_path),
+        "--output_name", "emb", "--seed", "1", "--max_data_loader_n_workers", "0", "--token_string", "zqx",
+        "--init_word", "red", "--optimizer_type", "AdamW", "--learning_rate", "1e-2", "--max_train_steps", "3",
+        "--save_model_as", "safetensors", "--train_inpainting"])
+    from library.trainables import embeddings
+
+    vectors = load_file(tmp_path / "emb.safetensors")["emb_params"]
+    base = load_models(str(tiny_inpainting["sd15_inpaint_file"]), sdxl=False, model_config_dir=tiny_models["sd15_config"])
+    table = embeddings.token_embedding_module(base.text_encoders[0]).token_embedding.weight.detach()
+    start = embeddings.initial_vectors(base.tokenizers[0], table, 1, "red", 1)
+    assert vectors.shape == start.shape and torch.isfinite(vectors).all()
+    assert not torch.equal(vectors, start.to(vectors.dtype))  # trained away from the init word's vector
