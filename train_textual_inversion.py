@@ -30,6 +30,10 @@ class TextualInversionTrainer(Trainer):
         """The captions rewritten as kohya's trainer does (templates, the token string's vectors)."""
         return super().encode_prompts(args, models, self.trainable.captions(captions))
 
+    def sample_prompt_replacement(self) -> Optional[tuple[str, str]]:
+        """kohya's: the token string in sample prompts becomes all its tokens (``tok`` -> ``tok tok1 tok2``)."""
+        return self.trainable.prompt_replacement()
+
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = options.setup_parser(__doc__.splitlines()[0], EmbeddingTrainable())

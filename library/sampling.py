@@ -379,11 +379,24 @@ def build_pipeline(models, scheduler):
     return pipeline
 
 
+def replaced_in_prompt(prompt: SamplePrompt, replacement: Optional[tuple[str, str]]) -> SamplePrompt:
+    """``prompt`` with every occurrence of ``replacement[0]`` in its text and negative text replaced by
+    ``replacement[1]`` (kohya's ``prompt_replacement``); unchanged for None."""
+    if replacement is None:
+        return prompt
+    old, new = replacement
+    negative = prompt.negative_prompt.replace(old, new) if prompt.negative_prompt else prompt.negative_prompt
+    return replace(prompt, prompt=prompt.prompt.replace(old, new), negative_prompt=negative)
+
+
 def sample_images(args: argparse.Namespace, accelerator, models, network: torch.nn.Module, device: torch.device,
-                  *, when: str, step: int, epoch: Optional[int] = None) -> list[Path]:
+                  *, when: str, step: int, epoch: Optional[int] = None,
+                  prompt_replacement: Optional[tuple[str, str]] = None) -> list[Path]:
     """Generate the ``--sample_prompts`` images if ``(when, step, epoch)`` is a sample point (see
     :func:`is_sample_point`); returns the written files. ``network`` is already applied to
-    ``models``. Training state (weights, modes, RNG) is unchanged afterwards."""
+    ``models``; ``prompt_replacement`` (old, new) rewrites each prompt's text before it is encoded
+    (textual inversion: the token string -> all its tokens). Training state (weights, modes, RNG) is
+    unchanged afterwards."""
     if not is_sample_point(args, when, step, epoch) or not accelerator.is_main_process:
         return []
     try:  # the file may have been edited since the start: a broken edit must not end the training
@@ -405,7 +418,7 @@ def sample_images(args: argparse.Namespace, accelerator, models, network: torch.
         pipeline = build_pipeline(models, make_scheduler(args.sample_sampler, models.scheduler_config,
                                                          getattr(args, "v_parameterization", False)))
         autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-        for prompt in prompts:
+        for prompt in (replaced_in_prompt(prompt, prompt_replacement) for prompt in prompts):
             pipeline.scheduler = make_scheduler(prompt.sampler or args.sample_sampler, models.scheduler_config,
                                                 getattr(args, "v_parameterization", False))
             seed = prompt.seed if prompt.seed is not None else random.SystemRandom().randrange(2**63)

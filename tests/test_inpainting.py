@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import REPO, SCRIPT_ENV, model_args, run_trainer, train_expecting_user_error
 from safetensors.torch import load_file
 
 from library import inpainting, noise
@@ -165,6 +168,31 @@ def test_an_inpainting_lora_trains(name, script, tiny_models, tiny_inpainting, o
     assert any(key.startswith("lora_unet_") for key in weights)
 
 
+@pytest.mark.slow
+def test_killed_then_resumed_gives_the_uninterrupted_lora_bytes(tiny_models, tiny_inpainting, one_image_dataset,
+                                                               tmp_path, capsys, monkeypatch):
+    """kill -9 mid-epoch, then ``--resume auto``: the resumed run draws the uninterrupted run's masks (keyed
+    by seed, epoch and sample, not by a stream position), so its LoRA is the same bytes."""
+    model = ["--pretrained_model_name_or_path", str(tiny_inpainting["sd15_inpaint_file"]),
+             "--model_config_dir", str(tiny_models["sd15_config"])]
+
+    def argv(output_dir: Path, *extra: str) -> list[str]:
+        return lora_argv(model, one_image_dataset, output_dir, "--train_inpainting", "--learning_rate", "1e-3",
+                         "--train_batch_size", "2", "--max_train_steps", "6", "--save_state",
+                         "--save_every_n_steps", "2", *extra)  # 5 steps an epoch: the kill is mid-epoch
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])  # the metadata's times, as the killed run's
+    run_trainer("train_network", argv(tmp_path / "reference"))
+    killed = subprocess.run([sys.executable, str(REPO / "train_network.py"),
+                             *argv(tmp_path / "run", "--debug_kill_in_state_write", "2")],  # dies writing step 4's
+                            cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_trainer("train_network", argv(tmp_path / "run", "--resume", "auto"))
+    assert "resumed at step 2 " in capsys.readouterr().out
+    name = "inpaint.safetensors"
+    assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+
+
 def test_sample_prompts_with_img_and_mask(tiny_models, tiny_inpainting, one_image_dataset, tmp_path):
     """``--img`` (and ``--mask``) in a sample prompt feed the inpainting pipeline; a prompt without
     ``--img`` draws the whole picture; a missing image skips that prompt only (kohya's rule)."""
@@ -190,3 +218,92 @@ def test_sample_prompts_with_img_and_mask(tiny_models, tiny_inpainting, one_imag
     assert [name.split("_")[2] for name in written] == ["00", "01", "02"]
     with Image.open(next((output_dir / "sample").glob("*_01_*.png"))) as sample:
         assert sample.size == (64, 64)
+
+
+# ---------------------------------------------------------------------------
+# full fine-tuning (sdxl_train.py, train_db.py, fine_tune.py)
+# ---------------------------------------------------------------------------
+
+CONV_IN_KEY = "model.diffusion_model.input_blocks.0.0.weight"  # the UNet's conv_in in the original layout
+
+
+def full_argv(model: list[str], dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [*model, "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
+            "--output_dir", str(output_dir), "--output_name", "ft", "--seed", "1", "--max_data_loader_n_workers", "0",
+            "--optimizer_type", "AdamW", "--mixed_precision", "no", "--save_model_as", "safetensors", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,script", [("sdxl", "sdxl_train"), ("sd15", "train_db")])
+def test_a_full_inpainting_fine_tune_trains_and_its_checkpoint_reloads(name, script, tiny_models, tiny_inpainting,
+                                                                       one_image_dataset, tmp_path):
+    """The whole 9-channel UNet trains (the mask and masked-image input channels of conv_in included); the
+    checkpoint keeps the 9-channel conv_in and loads back, in our loader (the base configs: conv_in read
+    from the file) and in diffusers' inpainting pipeline from the single file (given an inpainting
+    config: diffusers takes in_channels from the config), holding the trained tensors."""
+    import diffusers
+
+    base_file = tiny_inpainting[f"{name}_inpaint_file"]
+    model = ["--pretrained_model_name_or_path", str(base_file), "--model_config_dir", str(tiny_models[f"{name}_config"])]
+    log = tmp_path / "run.jsonl"
+    run_trainer(script, full_argv(model, one_image_dataset, tmp_path, "--train_inpainting", "--learning_rate", "1e-3",
+                                  "--max_train_steps", "12", "--min_timestep", "500", "--max_timestep", "501",
+                                  "--log_jsonl", str(log)))
+    losses = losses_of(log)
+    assert len(losses) == 12
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    print(f"{script}: mean loss of the first 3 steps {first:.4f}, of the last 3 {last:.4f}")
+    assert last < first
+    saved = load_file(tmp_path / "ft.safetensors")[CONV_IN_KEY]
+    base = load_file(base_file)[CONV_IN_KEY]
+    assert saved.shape[1] == inpainting.INPAINTING_IN_CHANNELS
+    assert not torch.equal(saved[:, 4:], base[:, 4:])  # the mask / masked-image weights trained too
+    reloaded = load_models(str(tmp_path / "ft.safetensors"), sdxl=name == "sdxl",
+                           model_config_dir=tiny_models[f"{name}_config"])
+    assert reloaded.unet.config.in_channels == inpainting.INPAINTING_IN_CHANNELS
+    assert torch.equal(reloaded.unet.conv_in.weight, saved)
+    pipeline_class = (diffusers.StableDiffusionXLInpaintPipeline if name == "sdxl"
+                      else diffusers.StableDiffusionInpaintPipeline)
+    pipeline = pipeline_class.from_single_file(str(tmp_path / "ft.safetensors"),
+                                               config=str(tiny_inpainting[f"{name}_inpaint"]),
+                                               local_files_only=True, torch_dtype=torch.float32)
+    assert pipeline.unet.config.in_channels == inpainting.INPAINTING_IN_CHANNELS
+    assert torch.equal(pipeline.unet.conv_in.weight, saved)
+
+
+@pytest.mark.parametrize("script", ["sdxl_train", "train_db", "fine_tune"])
+def test_full_fine_tune_refuses_latent_caching_with_inpainting(script, tiny_models, one_image_dataset, tmp_path,
+                                                               capsys):
+    name = "sdxl" if script == "sdxl_train" else "sd15"
+    error = train_expecting_user_error(
+        full_argv(model_args(tiny_models, name), one_image_dataset, tmp_path, "--train_inpainting", "--cache_latents"),
+        capsys, script=script)
+    assert error.startswith("error: --cache_latents cannot be used with --train_inpainting")
+
+
+def test_full_fine_tune_refuses_inpainting_on_a_four_channel_model(tiny_models, one_image_dataset, tmp_path, capsys):
+    error = train_expecting_user_error(
+        full_argv(model_args(tiny_models, "sdxl"), one_image_dataset, tmp_path, "--train_inpainting"),
+        capsys, script="sdxl_train")
+    assert error.startswith("error: --train_inpainting:") and "4 channels" in error
+
+
+@pytest.mark.slow
+def test_textual_inversion_on_an_inpainting_model(tiny_models, tiny_inpainting, one_image_dataset, tmp_path):
+    """kohya lists train_textual_inversion.py among the --train_inpainting scripts: the new vectors train
+    through the 9-channel UNet (the mask input as for a LoRA)."""
+    model = ["--pretrained_model_name_or_path", str(tiny_inpainting["sd15_inpaint_file"]),
+             "--model_config_dir", str(tiny_models["sd15_config"])]
+    run_trainer("train_textual_inversion", [
+        *model, "--train_data_dir", str(one_image_dataset), "--resolution", "64", "--output_dir", str(tmp_path),
+        "--output_name", "emb", "--seed", "1", "--max_data_loader_n_workers", "0", "--token_string", "zqx",
+        "--init_word", "red", "--optimizer_type", "AdamW", "--learning_rate", "1e-2", "--max_train_steps", "3",
+        "--save_model_as", "safetensors", "--train_inpainting"])
+    from library.trainables import embeddings
+
+    vectors = load_file(tmp_path / "emb.safetensors")["emb_params"]
+    base = load_models(str(tiny_inpainting["sd15_inpaint_file"]), sdxl=False, model_config_dir=tiny_models["sd15_config"])
+    table = embeddings.token_embedding_module(base.text_encoders[0]).token_embedding.weight.detach()
+    start = embeddings.initial_vectors(base.tokenizers[0], table, 1, "red", 1)
+    assert vectors.shape == start.shape and torch.isfinite(vectors).all()
+    assert not torch.equal(vectors, start.to(vectors.dtype))  # trained away from the init word's vector

@@ -258,3 +258,51 @@ def test_the_trainable_has_every_hook_the_core_calls():
     assert isinstance(trainer, Trainer) and type(trainer).train is Trainer.train and trainer.is_sdxl
     missing = {name for name in hooks if not callable(getattr(trainer.trainable, name, None))}
     assert not missing, sorted(missing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_sample_prompts_get_the_token_string_expanded(kind, tiny_models, dataset, tmp_path):
+    """kohya's prompt_replacement: with --num_vectors_per_token 2 the token string in a sample prompt (and
+    its negative prompt) becomes ``zqx zqx1``, so every text encoder receives both new token ids."""
+    module = importlib.import_module(SCRIPTS[kind])
+    received, new_ids = [], []
+
+    class Recording(getattr(module, TRAINERS[kind])):
+        def after_start(self, run):  # the --sample_at_first images: the only encoder calls in it
+            def record(encoder, args, kwargs):
+                received.append((encoder, (args[0] if args else kwargs["input_ids"]).tolist()))
+            handles = [encoder.register_forward_pre_hook(record, with_kwargs=True)
+                       for encoder in run.models.text_encoders]
+            new_ids.extend(tokenizer.convert_tokens_to_ids(TOKENS) for tokenizer in run.models.tokenizers)
+            try:
+                super().after_start(run)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of zqx on a table --n zqx, blurry --w 64 --h 64 --s 1 --d 3\n")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    train_network.main(Recording, module.setup_parser, ti_argv(
+        tiny_models, kind, dataset, tmp_path, "--max_train_steps", "1", "--sample_at_first",
+        "--sample_prompts", str(prompts)))
+    assert len(received) == (2 if kind == "sdxl" else 1)  # one call per encoder: the prompt and its negative
+    for (encoder, rows), ids in zip(received, new_ids):
+        assert len(rows) == 2
+        for row in rows:  # "zqx" -> "zqx zqx1": the two new ids side by side, once each
+            assert row.count(ids[0]) == 1 and row.count(ids[1]) == 1
+            assert row[row.index(ids[0]) + 1] == ids[1]
+    assert len(list((tmp_path / "sample").glob("*.png"))) == 1
+
+
+def test_no_prompt_replacement_for_one_vector():
+    trainable = embeddings.EmbeddingTrainable()
+    trainable.config = type("Config", (), {"tokens": ["zqx"], "token_string": "zqx"})()
+    assert trainable.prompt_replacement() is None
+    trainable.config.tokens = ["zqx", "zqx1", "zqx2"]
+    assert trainable.prompt_replacement() == ("zqx", "zqx zqx1 zqx2")
+    prompt = sampling.SamplePrompt(index=0, prompt="zqx at night", negative_prompt="zqx, blurry")
+    assert sampling.replaced_in_prompt(prompt, trainable.prompt_replacement()) == sampling.SamplePrompt(
+        index=0, prompt="zqx zqx1 zqx2 at night", negative_prompt="zqx zqx1 zqx2, blurry")

@@ -314,9 +314,17 @@ class EmbeddingTrainable(Trainable):
         tokens = " ".join(self.config.tokens)
         if self.config.templates:
             return [random.choice(self.config.templates).format(tokens) for _ in captions]
-        if len(self.config.tokens) == 1:
+        replacement = self.prompt_replacement()
+        if replacement is None:
             return captions
-        return [caption.replace(self.config.token_string, tokens) for caption in captions]
+        return [caption.replace(*replacement) for caption in captions]
+
+    def prompt_replacement(self) -> Optional[tuple[str, str]]:
+        """(token string, all its tokens) with ``--num_vectors_per_token`` > 1, else None: what kohya
+        replaces in captions without a template and in sample prompts."""
+        if len(self.config.tokens) == 1:
+            return None
+        return self.config.token_string, " ".join(self.config.tokens)
 
     def metadata(self, args: argparse.Namespace, accelerator: Accelerator, models: StableDiffusionModels,
                  data: Any, optimization: Any, progress: Any) -> dict[str, str]:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 from accelerate import Accelerator
 
-from library import ema, fp8_base, inpainting, lora_effect, lora_files, lora_metadata, optimizers, train_state
+from library import ema, fp8_base, lora_effect, lora_files, lora_metadata, optimizers, train_state
 from library.errors import UserError
 from library.model_loading import StableDiffusionModels
 from library.trainables.base import Trainable
@@ -90,7 +90,6 @@ def validate_arguments(args: argparse.Namespace, sdxl: bool = False) -> None:
         if getattr(args, flag) and args.mixed_precision != precision:
             raise UserError(f"--{flag} needs --mixed_precision {precision} (got {args.mixed_precision})")
     fp8_base.validate_arguments(args)
-    inpainting.validate_arguments(args)
     if args.network_train_unet_only and args.network_train_text_encoder_only:
         raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
     registry.validate(args.network_module, network_base.parse_network_args(args.network_args),

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from library import (
-    best_checkpoint, compatibility, ema, fault_injection, grad_guard, healing, lora_files, lora_metadata,
+    best_checkpoint, compatibility, ema, fault_injection, grad_guard, healing, inpainting, lora_files, lora_metadata,
     loss_scaling, losses, lr_finder, model_loading, noise, optimizers, preflight, sampling, tracking, train_state,
     torch_compile, validation,
 )
@@ -17,6 +17,7 @@ def validate_run_arguments(args: argparse.Namespace, sdxl: bool) -> None:
     """Refuse bad values of the run's options, and paths that cannot be read or written (``sdxl``: the
     model the entry script trains)."""
     compatibility.check_arguments(args, sdxl)
+    inpainting.validate_arguments(args)
     torch_compile.validate_arguments(args)
     tracking.validate_arguments(args)
     lora_files.validate_arguments(args)

@@ -56,6 +56,10 @@ class Trainer:
     def encode_prompts(self, args: argparse.Namespace, models: StableDiffusionModels, captions: list[str]) -> Any:
         return self.family.encode_prompts(args, models, captions)
 
+    def sample_prompt_replacement(self) -> Optional[tuple[str, str]]:
+        """(old, new): the text replaced in every sample prompt before it is encoded (None: none)."""
+        return None
+
     def predict(
         self, models: StableDiffusionModels, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: Any,
         batch: dict[str, Any],
@@ -273,7 +277,7 @@ class Trainer:
     def after_start(self, run: Run) -> None:
         with run.weights_for_use():  # samples, validation and files see the EMA / schedule-free's average
             sampling.sample_images(run.args, run.accelerator, run.models, run.network, run.device, when="first",
-                                   step=run.progress.global_step)
+                                   step=run.progress.global_step, prompt_replacement=self.sample_prompt_replacement())
 
     def after_step(self, run: Run, step: int, epoch: int) -> None:
         """Validation, file, sample images and state of a step save point (every process calls it)."""
@@ -284,7 +288,7 @@ class Trainer:
             if run.accelerator.is_main_process:
                 run.writer.on_step(run.network, step, epoch)
                 sampling.sample_images(run.args, run.accelerator, run.models, run.network, run.device, when="step",
-                                       step=step)
+                                       step=step, prompt_replacement=self.sample_prompt_replacement())
         if run.accelerator.is_main_process and saves.step_state_due(step):
             if run.save_state(train_state.step_state_name(name, step)):
                 run.states.store.rotate("step", step, saves.every_n_steps, saves.keep_last_n_steps)
@@ -298,7 +302,7 @@ class Trainer:
             if run.accelerator.is_main_process:
                 run.writer.on_epoch_end(run.network, step, epoch, is_last_epoch=epoch == run.data.num_epochs)
                 sampling.sample_images(run.args, run.accelerator, run.models, run.network, run.device, when="epoch",
-                                       step=step, epoch=epoch)
+                                       step=step, epoch=epoch, prompt_replacement=self.sample_prompt_replacement())
         if run.accelerator.is_main_process and saves.epoch_state_due(epoch, run.data.num_epochs):
             if run.save_state(train_state.epoch_state_name(name, epoch)):
                 run.states.store.rotate("epoch", epoch, saves.every_n_epochs, saves.keep_last_n_epochs)
