@@ -13,6 +13,10 @@ What differs from the recording, and why: paths; ``max_train_steps`` 2 and ``max
 lets it override the steps; hundreds of epochs would not fit a test); the preset's own ``logging_dir``
 (``/kohya_ss/output/...``, a folder of the preset author's machine) put under the output folder;
 ``--num_cpu_threads_per_process 1`` (conftest: more OpenMP threads only slow a shared CPU down).
+
+The Finetuning presets "adafactor" and "lion" (SD 1.5) set ``bucket_reso_steps = 1.0``: kohya's ``fine_tune.py``
+asserts that it divides by 64 (``verify_bucket_reso_steps(64)``) and stops; here the same rule is one line, exit 2,
+before any model loads. They are replayed as written (refused) and with the GUI's default 64 (trained).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ RUNS = RECORDED["runs"]
 SIZES = {"img0": (128, 128), "img1": (192, 128), "img2": (128, 192), "img3": (160, 144)}
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
 STEPS = 2
+BUCKET_STEPS_REFUSED = {"finetune_adafactor", "finetune_lion"}  # bucket_reso_steps = 1.0 (see the docstring)
 
 
 def fill(text: str, values: dict[str, str]) -> str:
@@ -75,10 +80,10 @@ def gui_inputs(tmp_path: Path) -> dict[str, str]:
     return {"images": str(images), "dreambooth": str(dreambooth.parent)}
 
 
-def run_as_gui(argv: list[str], pythonpath: str, cwd: Path) -> subprocess.CompletedProcess:
+def run_as_gui(argv: list[str], pythonpath: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, cwd=cwd, env={**SCRIPT_ENV, "PYTHONPATH": pythonpath}, capture_output=True,
                             text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert result.returncode == expect, (result.stdout + result.stderr)[-4000:]
     return result
 
 
@@ -101,7 +106,16 @@ def test_gui_command_trains_as_written(name, tiny_models, gui_inputs, tmp_path):
     (toml_path.parent / "sample" / "prompt.txt").write_text("", encoding="utf-8")
     assert argv[:2] == ["accelerate", "launch"]
     argv[argv.index("--num_cpu_threads_per_process") + 1] = "1"
-    result = run_as_gui([sys.executable, "-m", "accelerate.commands.launch", *argv[2:]], str(REPO), tmp_path)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+    if name in BUCKET_STEPS_REFUSED:
+        refused = run_as_gui(launch, str(REPO), tmp_path, expect=1)  # accelerate launch: 1 when its child fails
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].endswith(
+            "bucket_reso_steps 1 must be a multiple of 64 for this model (kohya's rule)"), refused.stderr[-3000:]
+        assert "returned non-zero exit status 2" in refused.stderr and not Path(values["output"], "logs").exists()
+        toml_text = re.sub(r"(?m)^bucket_reso_steps = 1.0$", "bucket_reso_steps = 64", toml_text)
+        toml_path.write_text(toml_text, encoding="utf-8")
+    result = run_as_gui(launch, str(REPO), tmp_path)
 
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith(f"done: {STEPS} steps, {STEPS} trained;"), result.stdout[-3000:]
