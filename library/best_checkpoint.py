@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tqdm import tqdm
@@ -57,7 +59,8 @@ def validate_arguments(args: argparse.Namespace) -> None:
 
 
 def best_file_name(output_name: str) -> str:
-    """``<output_name>-best.safetensors`` (the writer gives it the ``--save_model_as`` extension)."""
+    """``<output_name>-best.safetensors`` (the writer gives it the ``--save_model_as`` extension; a full model's
+    writer its model format's, none for a diffusers folder)."""
     return f"{output_name}{BEST_SUFFIX}.safetensors"
 
 
@@ -139,11 +142,17 @@ class BestCheckpoint:
         return {f"loss/validation/{kind}_best": self.best_value, f"loss/validation/{kind}_trend": code}
 
     def final_from_best(self, final_path: str) -> Optional[str]:
-        """After an early stop: the final file becomes a byte copy of the best file (atomically)."""
+        """After an early stop: the final file becomes a byte copy of the best file (atomically; a full
+        model's diffusers folder: of the best folder)."""
         if self.stopped_at is None or not self.is_main_process or not os.path.exists(self.path):
             return None
-        with open(self.path, "rb") as file:
-            atomic_files.write_file(final_path, file.read())
+        if os.path.isdir(self.path):
+            size = sum(entry.stat().st_size for entry in Path(self.path).rglob("*") if entry.is_file())
+            with atomic_files.writing_folder(final_path, size) as temporary:
+                shutil.copytree(self.path, temporary, dirs_exist_ok=True)
+        else:  # streamed: a full model's checkpoint need not fit in memory twice
+            with atomic_files.writing_file(final_path, os.path.getsize(self.path)) as temporary:
+                shutil.copyfile(self.path, temporary)
         print(f"early stop: {final_path} holds the best weights (step {self.best_step}, validation loss "
               f"{self.best_value:.6f})", flush=True)
         return final_path

@@ -12,6 +12,8 @@ for sd-scripts parses. What each one does here:
   their default (:func:`check_arguments`), never silently ignored; their sub-options
   (``--zero_stage``, ``--huggingface_token``, ...) are inert without them, as in kohya;
 * ``--cpu_offload_checkpointing``: :func:`offloaded_activations`;
+* the full fine-tuners' ``--diffusers_xformers`` (:func:`select_diffusers_xformers`) and ``train_db.py``'s
+  ``--no_token_padding`` (no effect, as in kohya v0.11.1): :func:`add_full_model_arguments`;
 * ``--clip_skip`` on SDXL: ignored with kohya's warning (:func:`check_arguments`).
 """
 from __future__ import annotations
@@ -95,6 +97,22 @@ def add_arguments(parser: argparse.ArgumentParser, lora: bool = True) -> None:
             help="accepted, no effect: a full fine-tuning option (sdxl_train.py), ignored by LoRA training as in kohya")
 
 
+def add_full_model_arguments(parser: argparse.ArgumentParser, *, diffusers_xformers: bool,
+                             no_token_padding: bool) -> None:
+    """kohya's full fine-tuners' own attention / tokenizer options: ``--diffusers_xformers`` (``sdxl_train.py``,
+    ``fine_tune.py``), ``--no_token_padding`` (``train_db.py``)."""
+    group = parser.add_argument_group("kohya compatibility (full fine-tuning)")
+    if diffusers_xformers:
+        group.add_argument("--diffusers_xformers", action="store_true",
+                           help="diffusers' xformers attention (kohya: sdxl_train.py in the VAE, fine_tune.py in the "
+                                "UNet) when the xformers package and a CUDA device are present; otherwise torch's "
+                                "scaled_dot_product_attention, with one line saying so")
+    if no_token_padding:
+        group.add_argument("--no_token_padding", action="store_true",
+                           help="accepted, no effect: kohya v0.11.1 still parses it but no longer reads it (captions "
+                                "are padded to the tokenizer's length either way)")
+
+
 def check_arguments(args: argparse.Namespace, sdxl: bool, announce: Callable[[str], None] = print) -> None:
     """UserError naming the first option set to a value this trainer cannot honour (see ``UNSUPPORTED``;
     their defaults are all falsy, so anything truthy was asked for); one line for options that do
@@ -138,11 +156,23 @@ def select_attention(args: argparse.Namespace, unet: Any, device_type: str, anno
     ``--xformers`` needs the xformers package and a CUDA device; without them the run goes
     on with SDPA after one line saying so (a GUI preset should not fail on a CPU machine).
     """
-    if not args.xformers:
+    return _xformers_or_sdpa("--xformers", args.xformers, unet, device_type, announce)
+
+
+def select_diffusers_xformers(requested: bool, model: Any, device_type: str, announce: Callable[[str], None]) -> str:
+    """``--diffusers_xformers`` on ``model`` (kohya: the VAE for ``sdxl_train.py``, the UNet for ``fine_tune.py``):
+    ``"xformers"`` with the xformers package on a CUDA device; otherwise SDPA after one line saying so (kohya's
+    diffusers call would raise there)."""
+    return _xformers_or_sdpa("--diffusers_xformers", requested, model, device_type, announce)
+
+
+def _xformers_or_sdpa(flag: str, requested: bool, model: Any, device_type: str,
+                      announce: Callable[[str], None]) -> str:
+    if not requested:
         return "sdpa"
     if device_type == "cuda" and importlib.util.find_spec("xformers") is not None:
-        unet.enable_xformers_memory_efficient_attention()
+        model.enable_xformers_memory_efficient_attention()
         return "xformers"
     missing = "the xformers package is not installed" if device_type == "cuda" else "xformers needs a CUDA device"
-    announce(f"--xformers: {missing}; using torch's scaled_dot_product_attention instead")
+    announce(f"{flag}: {missing}; using torch's scaled_dot_product_attention instead")
     return "sdpa"

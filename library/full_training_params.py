@@ -22,7 +22,8 @@ kohya's rules, per script:
                                                                        ``--learning_rate_te`` when given, else one
                                                                        group with the UNet
 ``train_db``           always, ``--learning_rate``                     unless ``--stop_text_encoder_training`` < 0
-                                                                       (it stops at that step; the loop's part);
+                                                                       (N >= 0: frozen after N steps, the
+                                                                       trainable's step hook);
                                                                        groups as ``fine_tune``
 =====================  ==============================================  ==========================================
 
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser, script: Script) -> None:
                                  "group with the UNet)")
     if script == "train_db":
         parser.add_argument("--stop_text_encoder_training", type=int, default=None,
-                            help="optimizer step at which the text encoder stops training; -1: never trained "
-                                 "(default: trained to the end)")
+                            help="the text encoder trains for the first N optimizer steps, then stays frozen; "
+                                 "-1 (any negative): never trained (default: trained to the end)")
 
 
 def parse_block_lr(text: Optional[str]) -> Optional[tuple[float, ...]]:

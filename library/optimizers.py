@@ -216,9 +216,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(
             "--lr_scheduler adafactor needs --optimizer_type Adafactor with relative_step=True (its default)"
         )
-    if adafactor_own_lr:
-        _refuse_warmup(args, "Adafactor with relative_step=True")
-    elif name in _NO_WARMUP:
+    if name in _NO_WARMUP and not adafactor_own_lr:  # Adafactor's own lr: build_lr_scheduler says it ignores it
         _refuse_warmup(args, f"--lr_scheduler {args.lr_scheduler}")
     if name in _DIFFUSERS_SCHEDULERS:
         _diffusers_scheduler_kwargs(name, scheduler_kwargs)
@@ -579,7 +577,9 @@ def build_lr_scheduler(
             )
         if name != "adafactor":
             logger.warning(f"Adafactor with relative_step=True sets its own learning rate; ignoring --lr_scheduler {name}")
-        _refuse_warmup(args, "Adafactor with relative_step=True")
+        if args.lr_warmup_steps:  # kohya ignores it silently (the GUI's Finetuning preset "adafactor" sets 10%)
+            logger.warning(f"Adafactor with relative_step=True sets its own learning rate (warmup_init=True is its "
+                           f"warm-up); ignoring --lr_warmup_steps {args.lr_warmup_steps}")
         from transformers.optimization import AdafactorSchedule
 
         return AdafactorSchedule(optimizer, initial_lr=adafactor_initial_lr or args.learning_rate)

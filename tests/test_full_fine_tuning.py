@@ -1,8 +1,10 @@
 """The full fine-tuners (``sdxl_train.py``, ``train_db.py``, ``fine_tune.py``) on the tiny models: they learn,
 their checkpoints load in diffusers holding exactly the trained weights, a learning rate far too high
-heals or fails honestly, bad input is one line before any model loads, and the GUI's recorded Dreambooth
-command trains. The loop events and kill -9 + ``--resume auto`` run in tests/test_training_core.py
-(``TRAINERS["full-sdxl"]``)."""
+heals or fails honestly, bad input is one line before any model loads; kohya's full-fine-tune-only options
+(``--stop_text_encoder_training``, ``--no_token_padding``, ``--diffusers_xformers``) and the ``-best`` file in the
+run's model format. The loop events and kill -9 + ``--resume auto`` run in tests/test_training_core.py
+(``TRAINERS["full-sdxl"]``); the GUI's Dreambooth / Finetuning commands in tests/test_gui_dreambooth_finetune.py;
+two processes in tests/test_multiprocess.py."""
 from __future__ import annotations
 
 import csv
@@ -117,77 +119,111 @@ def test_train_db_dreambooth_with_regularization_on_sd15(tiny_models, tmp_path):
     assert not any(key.startswith("first_stage_model") for key in changed)
 
 
-# The kohya_ss GUI v26's Dreambooth tab, preset defaults, SD 1.5 (recorded by /work/harness_ft_prep: the tab
-# built headless, model = the tiny SD 1.5 folder): the TOML it wrote, paths substituted. Only
-# --max_train_steps is shortened (1600 -> 2) and the sample prompts file left out (the GUI writes it beside).
-GUI_DREAMBOOTH_SD15_TOML = """\
-bucket_no_upscale = true
-bucket_reso_steps = 64
-cache_latents = true
-caption_dropout_every_n_epochs = 0
-caption_dropout_rate = 0
-caption_extension = ".txt"
-clip_skip = 1
-dynamo_backend = "no"
-enable_bucket = true
-epoch = 1
-gradient_accumulation_steps = 1
-huber_c = 0.1
-huber_scale = 1.0
-huber_schedule = "snr"
-keep_tokens = 0
-learning_rate = 1e-5
-learning_rate_te = 1e-5
-loss_type = "l2"
-lr_scheduler = "cosine"
-lr_scheduler_args = []
-lr_scheduler_num_cycles = 1
-lr_scheduler_power = 1.0
-lr_warmup_steps = 0.1
-max_bucket_reso = 256
-max_data_loader_n_workers = 0
-max_grad_norm = 1.0
-max_timestep = 1000
-max_token_length = 75
-max_train_steps = 2
-min_bucket_reso = 64
-mixed_precision = "fp16"
-multires_noise_discount = 0.3
-noise_offset_type = "Original"
-optimizer_type = "AdamW8bit"
-output_dir = "{output_dir}"
-output_name = "dreambooth_defaults_sd15"
-persistent_data_loader_workers = 0
-pretrained_model_name_or_path = "{model}"
-prior_loss_weight = 1.0
-resolution = "128,128"
-sample_sampler = "euler_a"
-save_every_n_epochs = 1
-save_model_as = "safetensors"
-save_precision = "fp16"
-train_batch_size = 1
-train_data_dir = "{train_data_dir}"
-wandb_run_name = "dreambooth_defaults_sd15"
-xformers = true
-"""
+@pytest.mark.slow
+def test_stop_text_encoder_training_freezes_it_after_n_steps(tiny_models, demo_dataset, tmp_path, capsys):
+    """kohya's train_db.py: the text encoder trains during the first N optimizer steps only (here 1 of 3); the UNet
+    all of them. ``--no_token_padding`` is accepted (no effect in kohya v0.11.1 either)."""
+    output_dir = tmp_path / "out"
+    run_trainer("train_db", model_args(tiny_models, "sd15") + [
+        "--train_data_dir", str(demo_dataset), "--output_dir", str(output_dir), "--output_name", "db", *COMMON,
+        "--learning_rate", "1e-3", "--learning_rate_te", "1e-3", "--max_train_steps", "3",
+        "--stop_text_encoder_training", "1", "--no_token_padding", "--save_every_n_steps", "1",
+        "--save_model_as", "safetensors", "--save_precision", "float"])
+    assert "stop text encoder training at step 1" in capsys.readouterr().out
+    base = load_file(tiny_models["sd15_file"])
+    steps = [load_file(output_dir / f"db-step{step:08d}.safetensors") for step in (1, 2)] + [
+        load_file(output_dir / "db.safetensors")]
+
+    def changed(before: dict, after: dict, prefix: str) -> bool:
+        return any(not torch.equal(after[key], before[key].to(after[key].dtype))
+                   for key in after if key.startswith(prefix) and after[key].is_floating_point())
+
+    te, unet = "cond_stage_model.transformer.", "model.diffusion_model."
+    assert changed(base, steps[0], te) and changed(base, steps[0], unet)  # step 1: both train
+    for before, after in zip(steps, steps[1:]):  # steps 2 and 3: the UNet only
+        assert changed(before, after, unet) and not changed(before, after, te)
+
+
+def test_text_encoder_stop_follows_the_step_count_back_and_forth():
+    """The decision is the step count's at each forward: a resumed run or a rewind to before N trains it again."""
+    from types import SimpleNamespace
+
+    from library.trainables.full_model import FullModel, TextEncoderStop
+
+    encoder, unet = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    module = FullModel({"unet": unet, "text_encoder": encoder},
+                       {f"{name}.{key}": p for name, model in (("unet", unet), ("text_encoder", encoder))
+                        for key, p in model.named_parameters()})
+    progress = SimpleNamespace(global_step=0)
+    TextEncoderStop.install(module, 2, progress)
+    for step, trains in ((0, True), (1, True), (2, False), (5, False), (1, True)):
+        progress.global_step = step
+        encoder(torch.zeros(1, 2))
+        assert all(p.requires_grad == trains for p in encoder.parameters()), step
+        assert all(p.requires_grad for p in unet.parameters())
+
+
+# kohya v0.11.1's options of each full fine-tuner that its LoRA counterpart (sdxl_train_network.py /
+# train_network.py) lacks, with kohya's defaults (its parsers dumped by the harness /work/harness_ft_prep).
+KOHYA_FULL_MODEL_ONLY = {
+    "sdxl_train": {"block_lr": None, "diffusers_xformers": False, "fused_optimizer_groups": None,
+                   "learning_rate_te1": None, "learning_rate_te2": None, "train_text_encoder": False,
+                   "use_safetensors": False},
+    "train_db": {"learning_rate_te": None, "no_token_padding": False, "stop_text_encoder_training": None,
+                 "use_safetensors": False},
+    "fine_tune": {"diffusers_xformers": False, "learning_rate_te": None, "train_text_encoder": False,
+                  "use_safetensors": False},
+}
+
+
+@pytest.mark.parametrize("script", sorted(KOHYA_FULL_MODEL_ONLY))
+def test_kohya_full_model_options_are_where_kohya_defines_them(script):
+    import importlib
+
+    parser = importlib.import_module(script).setup_parser()
+    defaults = {action.dest: action.default for action in parser._actions}
+    own = KOHYA_FULL_MODEL_ONLY[script]
+    assert {dest: defaults.get(dest, "missing") for dest in own} == own
+    # not where kohya has none (--fused_optimizer_groups: SD 1.x's parsers accept it too, library/fused_backward.py)
+    others = set().union(*KOHYA_FULL_MODEL_ONLY.values()) - set(own) - {"use_safetensors", "fused_optimizer_groups"}
+    assert not others & set(defaults), others & set(defaults)
+
+
+def test_diffusers_xformers_without_cuda_says_it_uses_sdpa():
+    from diffusers import AutoencoderKL
+
+    from library import compatibility
+
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4, sample_size=16)
+    lines: list[str] = []
+    assert compatibility.select_diffusers_xformers(False, vae, "cpu", lines.append) == "sdpa" and not lines
+    assert compatibility.select_diffusers_xformers(True, vae, "cpu", lines.append) == "sdpa"
+    assert lines == ["--diffusers_xformers: xformers needs a CUDA device; using torch's scaled_dot_product_attention "
+                     "instead"]
 
 
 @pytest.mark.slow
-def test_gui_dreambooth_sd15_command_trains(tiny_models, tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import SCRIPT_ENV
-    from tools.make_demo_dataset import make_demo_dataset
-
-    make_demo_dataset(str(tmp_path / "dreambooth"), count=2, size=128, repeats=2)
-    output_dir = tmp_path / "output"
-    toml = tmp_path / "config_dreambooth.toml"
-    toml.write_text(GUI_DREAMBOOTH_SD15_TOML.format(output_dir=output_dir, model=tiny_models["sd15"],
-                                                    train_data_dir=tmp_path / "dreambooth"), encoding="utf-8")
-    # the GUI: accelerate launch ... train_db.py --config_file <toml>
-    result = subprocess.run([sys.executable, str(REPO / "train_db.py"), "--config_file", str(toml)], cwd=tmp_path,
-                            env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    saved = load_file(output_dir / "dreambooth_defaults_sd15.safetensors")
-    assert saved and all(tensor.dtype == torch.float16 for tensor in saved.values() if tensor.is_floating_point())
+@pytest.mark.parametrize("save_model_as, best_name", [(None, "ft-best.ckpt"), ("diffusers", "ft-best")])
+def test_best_checkpoint_is_written_in_the_full_models_format(save_model_as, best_name, tiny_models, demo_dataset,
+                                                               tmp_path, capsys):
+    """The ``-best`` file of a full model is the run's model format (kohya's rule without --save_model_as: the
+    single-file base's form, ``.ckpt``; ``diffusers``: a folder), and an early stop copies it over the final one."""
+    output_dir = tmp_path / "out"
+    run_trainer("sdxl_train", model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(demo_dataset), "--output_dir", str(output_dir), "--output_name", "ft", *COMMON,
+        "--learning_rate", "1e-4", "--max_train_steps", "4", "--validation_split", "0.5",
+        "--validate_every_n_steps", "1", "--early_stop_patience", "1", "--best_checkpoint_margin", "0.9",
+        "--diffusers_xformers"] + (["--save_model_as", save_model_as] if save_model_as else []))
+    out = capsys.readouterr().out
+    assert "--diffusers_xformers: xformers needs a CUDA device" in out
+    assert "--early_stop_patience 1 reached" in out
+    best = output_dir / best_name
+    final = output_dir / best_name.replace("-best", "")
+    assert best.exists() and final.exists(), sorted(p.name for p in output_dir.iterdir())
+    assert not list(output_dir.glob("*.None")) and not list(output_dir.glob("*.diffusers"))
+    if best.is_dir():
+        files = sorted(p.relative_to(best) for p in best.rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
+        assert all((best / name).read_bytes() == (final / name).read_bytes() for name in files)
+    else:
+        assert best.read_bytes() == final.read_bytes()

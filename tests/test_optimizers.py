@@ -93,13 +93,19 @@ def test_adafactor_with_external_lr():
     assert lr_trajectory(args, 4) == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
 
 
-def test_adafactor_relative_step_refuses_warmup():
-    args = make_args("--optimizer_type", "Adafactor", "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "5")
-    with pytest.raises(UserError, match="--lr_warmup_steps 5 has no effect with Adafactor with relative_step=True"):
-        optimizers.validate_args(args)
+def test_adafactor_relative_step_ignores_warmup_saying_so(caplog):
+    """kohya ignores the warm-up silently; the GUI's Finetuning preset "adafactor" passes 10%: one warning."""
+    from transformers.optimization import AdafactorSchedule
+
+    args = make_args("--optimizer_type", "Adafactor", "--lr_scheduler", "adafactor", "--lr_warmup_steps", "5")
+    optimizers.validate_args(args)
     optimizer = optimizers.build_optimizer(args, params())[2]
-    with pytest.raises(UserError, match="--lr_warmup_steps 5 has no effect"):
-        optimizers.build_lr_scheduler(args, optimizer, 10)
+    with caplog.at_level("WARNING"):
+        scheduler = optimizers.build_lr_scheduler(args, optimizer, 10)
+    assert isinstance(scheduler, AdafactorSchedule)
+    assert [record.getMessage() for record in caplog.records if "--lr_warmup_steps" in record.getMessage()] == [
+        "Adafactor with relative_step=True sets its own learning rate (warmup_init=True is its warm-up); ignoring "
+        "--lr_warmup_steps 5"]
 
 
 def test_adafactor_scheduler_needs_adafactor_optimizer():

@@ -26,8 +26,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 from accelerate import Accelerator
+from tqdm import tqdm
 
-from library import checkpoint_files, full_model_files, full_training_params, lora_files, train_state
+from library import checkpoint_files, compatibility, full_model_files, full_training_params, lora_files, train_state
 from library.ema import LoraEma
 from library.errors import UserError
 from library.full_model_files import ModelFormat, ModelSaver
@@ -76,6 +77,9 @@ class FullModelConfig:
     dtypes: full_training_params.ModelDtypes
     model_format: ModelFormat
     save_dtype: Optional[torch.dtype]
+    stop_text_encoder_at: Optional[int] = None
+    """``train_db``'s ``--stop_text_encoder_training N`` (N >= 0): the text encoder trains for the first N steps."""
+    diffusers_xformers: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, script: Script) -> "FullModelConfig":
@@ -85,7 +89,10 @@ class FullModelConfig:
             no_half_vae=args.no_half_vae, cache_text_encoder_outputs=getattr(args, "cache_text_encoder_outputs", False))
         model_format = ModelFormat.resolve(args.save_model_as, args.use_safetensors,
                                            os.path.isfile(args.pretrained_model_name_or_path or ""))
-        return cls(parts, dtypes, model_format, full_model_files.save_dtype(args.save_precision))
+        stop = getattr(args, "stop_text_encoder_training", None)
+        return cls(parts, dtypes, model_format, full_model_files.save_dtype(args.save_precision),
+                   stop_text_encoder_at=stop if stop is not None and stop >= 0 else None,
+                   diffusers_xformers=getattr(args, "diffusers_xformers", False))
 
 
 def validate_arguments(args: argparse.Namespace, script: Script, sdxl: bool) -> None:
@@ -111,9 +118,6 @@ def validate_arguments(args: argparse.Namespace, script: Script, sdxl: bool) -> 
     if getattr(args, "cache_text_encoder_outputs", False) and any(lr is not None for lr in parts.text_encoder_lrs):
         raise UserError("--cache_text_encoder_outputs with --train_text_encoder: the outputs of a text encoder that "
                         "trains change every step; leave one of them out")
-    if getattr(args, "stop_text_encoder_training", None) not in (None, -1) and args.stop_text_encoder_training >= 0:
-        raise UserError(f"--stop_text_encoder_training {args.stop_text_encoder_training}: only -1 (never train the "
-                        f"text encoder) is available yet; leave it out to train the text encoder to the end")
     checks.validate_run_arguments(args, sdxl)
 
 
@@ -129,10 +133,13 @@ class FullModelTrainable(Trainable):
         self.module: Optional[FullModel] = None
         self.models: Optional[StableDiffusionModels] = None  # every part, kept for saving (caching may drop some)
         self.base_path: Optional[str] = None
+        self.output_dir: Optional[str] = None
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         full_training_params.add_arguments(parser, self.script)
         full_model_files.add_arguments(parser)
+        compatibility.add_full_model_arguments(parser, diffusers_xformers=self.script in ("sdxl_train", "fine_tune"),
+                                               no_token_padding=self.script == "train_db")
         parser.set_defaults(**LORA_ONLY_DEFAULTS)
 
     def validate_arguments(self, args: argparse.Namespace, sdxl: bool) -> None:
@@ -141,6 +148,12 @@ class FullModelTrainable(Trainable):
     def configure(self, args: argparse.Namespace) -> None:
         self.config = FullModelConfig.from_args(args, self.script)
         self.base_path = args.pretrained_model_name_or_path
+        self.output_dir = args.output_dir
+
+    def output_path(self, file_name: str) -> str:
+        """Where the writer puts ``file_name`` (e.g. the ``-best`` file): its stem with the run's model format's
+        extension (none for a diffusers folder), as :meth:`FullModelWriter.write` names it."""
+        return os.path.join(self.output_dir, os.path.splitext(file_name)[0] + self.config.model_format.extension)
 
     def parts(self) -> tuple[bool, bool]:
         parts = self.config.parts
@@ -173,6 +186,10 @@ class FullModelTrainable(Trainable):
             if self.config.parts.trains_text_encoder(index):
                 encoder.to(device, dtype=dtypes.text_encoders[index])
         full_training_params.apply_requires_grad(models, self.config.parts)
+        # kohya: sdxl_train.py sets diffusers' xformers in the VAE (its UNet is its own), fine_tune.py in the UNet
+        compatibility.select_diffusers_xformers(self.config.diffusers_xformers,
+                                                models.vae if self.script == "sdxl_train" else models.unet,
+                                                device.type, announce=print)
 
     def records_text_encoder_gradients(self) -> bool:
         return self.parts()[1]
@@ -202,6 +219,10 @@ class FullModelTrainable(Trainable):
     def weights_finite(self) -> bool:
         return bool(torch.stack([torch.isfinite(p).all() for p in self.module.trained.values()]).all())
 
+    def before_training(self, trainer: Any, run: Any) -> None:
+        if self.config.stop_text_encoder_at is not None:
+            TextEncoderStop.install(self.module, self.config.stop_text_encoder_at, run.progress)
+
     def check_written(self, path: str, save_dtype: Optional[torch.dtype]) -> None:
         """A single ``.safetensors`` file re-read holds the trained UNet's tensors (catches save bugs)."""
         if not path.endswith(".safetensors"):
@@ -218,6 +239,42 @@ class FullModelTrainable(Trainable):
 
     def weights_for_report(self) -> dict[str, torch.Tensor]:
         return self.module.training_state_dict()
+
+
+class TextEncoderStop:
+    """``--stop_text_encoder_training N`` (kohya's ``train_db.py``): the text encoder trains during the first N
+    optimizer steps, then is frozen. Decided from the run's step count at each forward of the text encoder, so a
+    resumed run, or a rewind of the self-healing to a step before N, trains it again exactly when the
+    uninterrupted run would. Frozen = its parameters stop requiring gradients: they get none, so the optimizer
+    leaves them (and their moments) as they are, and the guard's norm is the UNet's, as in kohya."""
+
+    def __init__(self, stop_at: int, parameters: Sequence[torch.nn.Parameter], progress: Any) -> None:
+        self.stop_at = stop_at
+        self.parameters = list(parameters)
+        self.progress = progress
+        self.training = True
+
+    @classmethod
+    def install(cls, module: FullModel, stop_at: int, progress: Any) -> Optional["TextEncoderStop"]:
+        encoders = {name: model for name, model in module.components.items() if name.startswith("text_encoder")}
+        parameters = [p for name, p in module.trained.items() if name.split(".", 1)[0] in encoders]
+        if not parameters:
+            return None
+        stop = cls(stop_at, parameters, progress)
+        for encoder in encoders.values():
+            encoder.register_forward_pre_hook(stop.before_forward)
+        return stop
+
+    def before_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        training = self.progress.global_step < self.stop_at  # steps done before the one this forward belongs to
+        if training == self.training:
+            return
+        for parameter in self.parameters:
+            parameter.requires_grad_(training)
+        self.training = training
+        tqdm.write(f"stop text encoder training at step {self.progress.global_step}" if not training
+                   else f"text encoder training again from step {self.progress.global_step + 1} "
+                        f"(--stop_text_encoder_training {self.stop_at})")
 
 
 class FullModelWriter:

@@ -5,6 +5,7 @@ builder here is shared by every trainer.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 from datetime import timedelta
 from pathlib import Path
@@ -67,8 +68,11 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
     models, loss = build_model(trainer, args, accelerator, data)
     optimization = build_optimization(args, accelerator, trainable, data)
     config = TrainingConfig.from_args(args)  # every option is final now (epochs -> steps, epoch ratio)
-    best = best_checkpoint.create(args, data.validation_dataset is not None, lora_files.output_path(
-        args, best_checkpoint.best_file_name(args.output_name)), accelerator.is_main_process)
+    # where the writer puts the best file: a trainable writing whole models names it in its own format
+    output_path = getattr(trainable, "output_path", functools.partial(lora_files.output_path, args))
+    best = best_checkpoint.create(args, data.validation_dataset is not None,
+                                  output_path(best_checkpoint.best_file_name(args.output_name)),
+                                  accelerator.is_main_process)
     states, progress, resume_step, captured = build_state(trainer, args, accelerator, optimization, data,
                                                           resume_from, best)
     validator = validation.create(args, data.validation_dataset, accelerator,
