@@ -301,6 +301,8 @@ class FusedBackward:
             self._group_sizes[optimizer_index] += 1
         self._stochastic_rounding = per_parameter and _is_adafactor(self.optimizers[0])
         self._generator = torch.Generator(device=self.device) if self._stochastic_rounding else None
+        if self._stochastic_rounding:
+            _keep_state_dtypes(self.optimizers[0])
 
         # The guard's bookkeeping (previous gradient for the cosine, one-sync conclusion, state) is the
         # unfused monitor's; only the per-gradient reads happen here, in the hooks.
@@ -521,6 +523,32 @@ class FusedBackward:
         norms = [norm for group in by_dtype.values() for norm in group]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+
+
+def _keep_state_dtypes(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.load_state_dict`` keep each floating state tensor's saved dtype. torch casts them to
+    their parameter's dtype; the fused Adafactor keeps a bfloat16 weight's statistics in float32 (it steps a
+    float32 copy), so a resumed or rewound run would go on from statistics rounded to bfloat16, and differ
+    from the uninterrupted one."""
+    saved: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def before(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved.clear()
+        for index, values in state_dict["state"].items():
+            saved[index] = {key: value for key, value in values.items()
+                            if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+    def after(loaded: torch.optim.Optimizer) -> None:
+        parameters = [parameter for group in loaded.param_groups for parameter in group["params"]]
+        for index, values in saved.items():
+            state = loaded.state[parameters[index]]
+            for key, value in values.items():
+                if state[key].dtype != value.dtype:  # a copy: the source may be a healthy point kept in memory
+                    state[key] = value.to(device=state[key].device, copy=True)
+        saved.clear()
+
+    optimizer.register_load_state_dict_pre_hook(before)
+    optimizer.register_load_state_dict_post_hook(after)
 
 
 def _order_state(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:
