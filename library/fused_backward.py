@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--gradient_accumulation_steps 1. Default: off")
     group.add_argument(
         "--fused_optimizer_groups", type=int, default=None, metavar="N",
-        help="split the trainable parameters into N optimizers (and N LR schedulers), each stepped as soon as its "
-             "parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory (a group waits "
-             "for its last gradient), any optimizer. Same "
+        help="split the trainable parameters into N groups (kohya's split), each stepped as an optimizer of its own "
+             "as soon as its parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory "
+             "(a group waits for its last gradient), any optimizer. Same "
              "two-pass guard as --fused_backward_pass, which wins when both are given. Needs "
              "--gradient_accumulation_steps 1. Default: off (0 too)")
 
