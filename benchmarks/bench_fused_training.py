@@ -18,9 +18,10 @@ its own process, one after the other:
 * ``groups4``: ``--fused_optimizer_groups 4``.
 
 Memory: the child resets the kernel's peak RSS (``/proc/self/clear_refs``) when the run is built (model
-loaded, optimizer and state ready, before the first step) and reads ``VmHWM`` after the last step:
-``peak_rss_gib`` is the process's peak during the steps (the weights included), ``step_add_gib`` what the
-steps add to the RSS at that point. Children run with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed
+loaded, optimizer and state ready, before the first step) and reads ``VmHWM`` after each step:
+``peak_rss_gib`` is the process's peak during the steps (the weights included; compare this one),
+``step_add_gib`` what the steps add to the RSS at the start (the unfused run's flat gradient buffer is
+allocated before, at the build, so it is in its ``start_rss_gib``, not in its ``step_add_gib``). Children run with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed
 tensors leave the RSS. Time: the median CPU and wall seconds of the steps after the first. Prints one line
 per variant and the ratios to ``unfused``. Not run in CI.
 """
@@ -87,10 +88,10 @@ def child(argv: list[str]) -> None:
             result = super().train_step(run, window)
             measured["cpu_s"].append(time.process_time() - cpu)
             measured["wall_s"].append(time.perf_counter() - wall)
+            measured["peak_kib"] = status_kib("VmHWM")  # the steps' peak (not the final file's write)
             return result
 
     train_network.main(MeasuredTrainer, sdxl_train.setup_parser, argv)
-    measured["peak_kib"] = status_kib("VmHWM")
     print("RESULT " + json.dumps(measured), flush=True)
 
 

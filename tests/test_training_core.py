@@ -40,6 +40,9 @@ TRAINERS = {
         "--network_dim", "4", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=4",
         "--network_train_unet_only"), "core.safetensors"),
     "full-sdxl": TrainerUnderTest("sdxl_train.py", "sdxl", ("--save_model_as", "safetensors"), "core.safetensors"),
+    # the loop's other step path: the update applied during the backward (library/training/gradient_step.py)
+    "full-sdxl-fused": TrainerUnderTest("sdxl_train.py", "sdxl", (
+        "--save_model_as", "safetensors", "--fused_optimizer_groups", "3"), "core.safetensors"),
 }
 # A learning rate this high makes the tiny models' fp16 training diverge within a few steps, so the
 # self-healing rewinds (the healing tests rely on the same); the other events come at fixed steps.
