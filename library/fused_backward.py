@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--gradient_accumulation_steps 1. Default: off")
     group.add_argument(
         "--fused_optimizer_groups", type=int, default=None, metavar="N",
-        help="split the trainable parameters into N optimizers (and N LR schedulers), each stepped as soon as its "
-             "parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory (a group waits "
-             "for its last gradient), any optimizer. Same "
+        help="split the trainable parameters into N groups (kohya's split), each stepped as an optimizer of its own "
+             "as soon as its parameters' gradients are ready, then freed: 1/N to about 2/N of the gradient in memory "
+             "(a group waits for its last gradient), any optimizer. Same "
              "two-pass guard as --fused_backward_pass, which wins when both are given. Needs "
              "--gradient_accumulation_steps 1. Default: off (0 too)")
 
@@ -97,6 +97,11 @@ class FusedOptions:
     def enabled(self) -> bool:
         return self.fused_backward_pass or self.groups is not None
 
+    @property
+    def flag(self) -> str:
+        """The option in force, as the user wrote it (for messages)."""
+        return "--fused_backward_pass" if self.fused_backward_pass else f"--fused_optimizer_groups {self.groups}"
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, optimizer_type: str,
                   announce: Callable[[str], None] = logger.warning) -> FusedOptions:
@@ -110,14 +115,17 @@ class FusedOptions:
         if per_parameter and groups is not None:
             announce(f"--fused_optimizer_groups {groups} is ignored: --fused_backward_pass is given (as in kohya)")
             groups = None
-        flag = "--fused_backward_pass" if per_parameter else f"--fused_optimizer_groups {groups}"
+        options = cls(per_parameter, groups)
         if per_parameter and optimizer_type.rsplit(".", 1)[-1].lower() != "adafactor":
             raise UserError(f"--fused_backward_pass needs --optimizer_type Adafactor (got {optimizer_type}); "
                             f"for another optimizer use --fused_optimizer_groups N")
-        if (per_parameter or groups) and int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
-            raise UserError(f"{flag} needs --gradient_accumulation_steps 1 (got "
+        if options.enabled and int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
+            raise UserError(f"{options.flag} needs --gradient_accumulation_steps 1 (got "
                             f"{args.gradient_accumulation_steps}): accumulating would hold the full gradient")
-        return cls(per_parameter, groups)
+        if options.enabled and getattr(args, "debug_inject_grad", None):
+            raise UserError(f"--debug_inject_grad with {options.flag}: the gradients are applied during the "
+                            f"backward, there is no moment to write into them; inject into the loss instead")
+        return options
 
 
 def split_into_groups(param_groups: Sequence[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:
@@ -154,14 +162,55 @@ def step_one_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any], 
     by the parameter, as usual) are an ordinary step's. Right for optimizers whose update of a
     parameter depends only on that parameter (Adafactor, AdamW, SGD, Lion), not for those that pool
     statistics over all of them (Prodigy, D-Adaptation)."""
-    saved_groups, saved_params = optimizer.param_groups, group["params"]
+    saved_params = group["params"]
     group["params"] = [parameter]
-    optimizer.param_groups = [group]
+    try:
+        step_groups(optimizer, [group])
+    finally:
+        group["params"] = saved_params
+
+
+def step_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """``optimizer.step()`` seeing only ``groups`` (some of its own): the state stays the optimizer's."""
+    saved_groups = optimizer.param_groups
+    optimizer.param_groups = groups
     try:
         optimizer.step()
     finally:
-        group["params"] = saved_params
         optimizer.param_groups = saved_groups
+
+
+class GroupStep:
+    """Param group ``index`` of ``optimizer`` stepped as an optimizer of its own: ``--fused_optimizer_groups``
+    with one optimizer holding kohya's split (:func:`split_into_groups`) instead of N optimizers. Each group
+    keeps its settings and state in the one optimizer, so one LR schedule, one state and the healing's
+    learning-rate changes cover them all; the update is that of an optimizer holding this group alone
+    (kohya's N optimizers), for any optimizer whose statistics live in its param groups and per-parameter
+    state. The group is looked up at each step (``load_state_dict`` replaces the group dicts)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+        self.optimizer = optimizer
+        self.index = index
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [self.optimizer.param_groups[self.index]]
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self) -> None:
+        step_groups(self.optimizer, self.param_groups)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.param_groups[0]["params"]:
+            parameter.grad = None
+
+
+def group_steps(optimizer: torch.optim.Optimizer) -> list[GroupStep]:
+    """One :class:`GroupStep` per param group of ``optimizer`` (what :class:`FusedBackward` steps as optimizers)."""
+    return [GroupStep(optimizer, index) for index in range(len(optimizer.param_groups))]
 
 
 def stochastic_round_to_bfloat16_(target: torch.Tensor, source: torch.Tensor, generator: torch.Generator) -> None:
@@ -230,16 +279,17 @@ class FusedBackward:
         self.rounding_seed = int(rounding_seed)
         self._backward = backward or (lambda tensor, retain: tensor.backward(retain_graph=retain))
 
-        # (parameter, its optimizer index, its group) in optimizer/group order: the order clip_grad_norm_
-        # and the guard see the parameters in an unfused step.
-        self._entries: list[tuple[torch.Tensor, int, dict[str, Any]]] = []
+        # (parameter, its optimizer index, its group's index) in optimizer/group order: the order
+        # clip_grad_norm_ and the guard see the parameters in an unfused step. The group dict itself is
+        # looked up at each step: an optimizer's load_state_dict (resume, rewind) replaces it.
+        self._entries: list[tuple[torch.Tensor, int, int]] = []
         seen: set[int] = set()
         for optimizer_index, optimizer in enumerate(self.optimizers):
-            for group in optimizer.param_groups:
+            for group_index, group in enumerate(optimizer.param_groups):
                 for parameter in group["params"]:
                     if parameter.requires_grad and id(parameter) not in seen:
                         seen.add(id(parameter))
-                        self._entries.append((parameter, optimizer_index, group))
+                        self._entries.append((parameter, optimizer_index, group_index))
         devices = {parameter.device for parameter, _, _ in self._entries}
         if len(devices) > 1:
             raise ValueError(f"FusedBackward needs the trainable parameters on one device, got {sorted(map(str, devices))}")
@@ -251,6 +301,8 @@ class FusedBackward:
             self._group_sizes[optimizer_index] += 1
         self._stochastic_rounding = per_parameter and _is_adafactor(self.optimizers[0])
         self._generator = torch.Generator(device=self.device) if self._stochastic_rounding else None
+        if self._stochastic_rounding:
+            _keep_state_dtypes(self.optimizers[0])
 
         # The guard's bookkeeping (previous gradient for the cosine, one-sync conclusion, state) is the
         # unfused monitor's; only the per-gradient reads happen here, in the hooks.
@@ -327,7 +379,8 @@ class FusedBackward:
             return False
         loss, rng_state = self._pending
         self._pending = None
-        state_sizes = [len(optimizer.state) for optimizer in self.optimizers]
+        underlying = list({id(o): o for o in (getattr(o, "optimizer", o) for o in self.optimizers)}.values())
+        state_sizes = [len(optimizer.state) for optimizer in underlying]
         self._pending_counts = [0] * len(self.optimizers)
         self._held_bytes = self.peak_gradient_bytes = 0
         _set_rng_state(rng_state)
@@ -335,8 +388,9 @@ class FusedBackward:
         for optimizer_index, count in enumerate(self._pending_counts):
             if count:  # a group some of whose parameters got no gradient
                 self._step_group(optimizer_index)
-        if self.per_parameter and len(self.optimizers[0].state) != state_sizes[0]:
-            _order_state(self.optimizers[0], self.parameters)
+        for optimizer, size in zip(underlying, state_sizes):
+            if len(optimizer.state) != size:  # first steps: the backward's order, put back in parameter order
+                _order_state(optimizer, self.parameters)
         return True
 
     def discard(self) -> None:
@@ -354,6 +408,12 @@ class FusedBackward:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    @property
+    def monitor(self) -> GradientMonitor:
+        """The guard's bookkeeping (what ``GradientMonitor.measure`` would return is built by it): its
+        ``unscaled`` setting and state are the run's ``grad_monitor``."""
+        return self._monitor
 
     # -- state (the cosine log's previous gradient; optimizers save their own)
     def state_dict(self) -> dict[str, Any]:
@@ -408,8 +468,9 @@ class FusedBackward:
             torch._amp_foreach_non_finite_check_and_unscale_([grad], self._apply_found_inf, self._inverse_scale)
         if self._clip_coefficient is not None:
             torch._foreach_mul_([grad], self._clip_coefficient)
-        _, optimizer_index, group = self._entries[index]
+        _, optimizer_index, group_index = self._entries[index]
         if self.per_parameter:
+            group = self.optimizers[0].param_groups[group_index]
             self._held_bytes = grad.numel() * grad.element_size()
             self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes)
             self._step_parameter(index, parameter, group)
@@ -462,6 +523,32 @@ class FusedBackward:
         norms = [norm for group in by_dtype.values() for norm in group]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+
+
+def _keep_state_dtypes(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.load_state_dict`` keep each floating state tensor's saved dtype. torch casts them to
+    their parameter's dtype; the fused Adafactor keeps a bfloat16 weight's statistics in float32 (it steps a
+    float32 copy), so a resumed or rewound run would go on from statistics rounded to bfloat16, and differ
+    from the uninterrupted one."""
+    saved: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def before(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved.clear()
+        for index, values in state_dict["state"].items():
+            saved[index] = {key: value for key, value in values.items()
+                            if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+    def after(loaded: torch.optim.Optimizer) -> None:
+        parameters = [parameter for group in loaded.param_groups for parameter in group["params"]]
+        for index, values in saved.items():
+            state = loaded.state[parameters[index]]
+            for key, value in values.items():
+                if state[key].dtype != value.dtype:  # a copy: the source may be a healthy point kept in memory
+                    state[key] = value.to(device=state[key].device, copy=True)
+        saved.clear()
+
+    optimizer.register_load_state_dict_pre_hook(before)
+    optimizer.register_load_state_dict_post_hook(after)
 
 
 def _order_state(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:

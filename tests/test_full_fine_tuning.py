@@ -88,7 +88,14 @@ def test_learning_rate_far_too_high_heals_or_fails_honestly(tiny_models, one_ima
 @pytest.mark.parametrize("script, argv, message", [
     ("sdxl_train", ["--block_lr", "1e-5,1e-5"], "--block_lr: 2 value(s) given, SDXL has 23"),
     ("sdxl_train", ["--full_bf16"], "--full_bf16 needs --mixed_precision bf16"),
-    ("sdxl_train", ["--fused_backward_pass"], "--fused_backward_pass / --fused_optimizer_groups: not yet"),
+    ("sdxl_train", ["--fused_backward_pass"], "--fused_backward_pass needs --optimizer_type Adafactor (got AdamW)"),
+    ("sdxl_train", ["--fused_backward_pass", "--optimizer_type", "Adafactor", "--gradient_accumulation_steps", "2"],
+     "--fused_backward_pass needs --gradient_accumulation_steps 1 (got 2)"),
+    ("fine_tune", ["--fused_optimizer_groups", "4", "--gradient_accumulation_steps", "2"],
+     "--fused_optimizer_groups 4 needs --gradient_accumulation_steps 1 (got 2)"),
+    ("train_db", ["--fused_optimizer_groups", "-1"], "--fused_optimizer_groups must be a whole number >= 1"),
+    ("sdxl_train", ["--fused_optimizer_groups", "2", "--debug_inject_grad", "2=nan"],
+     "--debug_inject_grad with --fused_optimizer_groups 2: the gradients are applied during the backward"),
     ("sdxl_train", ["--learning_rate", "0"], "nothing would train"),
     ("train_db", ["--learning_rate_te", "-1"], "--learning_rate_te -1.0 must be a number >= 0"),
 ])

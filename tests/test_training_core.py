@@ -42,6 +42,9 @@ TRAINERS = {
         "--network_dim", "4", "--network_alpha", "4", "--network_args", "conv_dim=4", "conv_alpha=4",
         "--network_train_unet_only"), "core.safetensors"),
     "full-sdxl": TrainerUnderTest("sdxl_train.py", "sdxl", ("--save_model_as", "safetensors"), "core.safetensors"),
+    # the loop's other step path: the update applied during the backward (library/training/gradient_step.py)
+    "full-sdxl-fused": TrainerUnderTest("sdxl_train.py", "sdxl", (
+        "--save_model_as", "safetensors", "--fused_optimizer_groups", "3"), "core.safetensors"),
 }
 # LECO (train_leco.py, sdxl_train_leco.py) has no images: no validation split and no sample of a dataset's
 # prompts; it is in ``entry_trainers`` (the core, every hook), and its kill -9 + --resume auto to the same

@@ -98,9 +98,10 @@ def _scheduler_config(kind: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def tiny_sdxl(unet_in_channels: int = 4) -> StableDiffusionModels:
+def tiny_sdxl(unet_in_channels: int = 4, **unet_settings: Any) -> StableDiffusionModels:
     """Tiny SDXL: te1 CLIP hidden 32, te2 hidden 64 with projection 64, UNet (32, 64, 64), 3 levels
-    (``unet_in_channels`` 9: an inpainting model)."""
+    (``unet_in_channels`` 9: an inpainting model). ``unet_settings`` replace the UNet's (e.g. wider
+    ``block_out_channels`` and deeper ``transformer_layers_per_block``: a larger model of the same kind)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -109,14 +110,14 @@ def tiny_sdxl(unet_in_channels: int = 4) -> StableDiffusionModels:
     _seeded(1)
     text_encoder_2 = CLIPTextModelWithProjection(_text_config(64, 64, "gelu"))
     _seeded(2)
-    unet = UNet2DConditionModel(
+    unet = UNet2DConditionModel(**{**dict(
         sample_size=8, in_channels=unet_in_channels, out_channels=4, layers_per_block=2,
         block_out_channels=(32, 64, 64),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 1, 2), attention_head_dim=(2, 4, 4), use_linear_projection=True,
         cross_attention_dim=32 + 64, addition_embed_type="text_time", addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=64 + 6 * 8)
+        projection_class_embeddings_input_dim=64 + 6 * 8), **unet_settings})
     _seeded(3)
     vae = AutoencoderKL(block_out_channels=(32, 32, 32, 32), scaling_factor=0.13025, force_upcast=False, **TINY_VAE)
     _shrink_vae_(vae)
@@ -169,7 +170,9 @@ def _pipeline(models: StableDiffusionModels):
         scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-def _write_model(models: StableDiffusionModels, out_dir: Path, name: str) -> dict[str, Path]:
+def write_model(models: StableDiffusionModels, out_dir: Path, name: str) -> dict[str, Path]:
+    """``models`` as a diffusers folder ``NAME``, a single file ``NAME.safetensors`` and a config folder
+    ``NAME_config`` (tokenizers, no weights) in ``out_dir``; their paths by key as ``build_tiny_models``."""
     folder, single_file, config_dir = out_dir / name, out_dir / f"{name}.safetensors", out_dir / f"{name}_config"
     for stale in (folder, config_dir):
         shutil.rmtree(stale, ignore_errors=True)
@@ -191,7 +194,7 @@ def build_tiny_models(out_dir: str | Path) -> dict[str, Path]:
     paths: dict[str, Path] = {"root": out_dir, "tokenizers": out_dir / "tokenizers"}
     written_tokenizers: set[str] = set()
     for name, models in (("sdxl", tiny_sdxl()), ("sd15", tiny_sd("sd1")), ("sd2", tiny_sd("sd2"))):
-        paths.update(_write_model(models, out_dir, name))
+        paths.update(write_model(models, out_dir, name))
         for (repo, _, _), tokenizer in zip(TOKENIZER_SOURCES[models.kind], models.tokenizers):
             cache_name = repo.replace("/", "_")
             if cache_name not in written_tokenizers:
@@ -208,7 +211,7 @@ def build_tiny_inpainting_models(out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for name, models in (("sdxl_inpaint", tiny_sdxl(unet_in_channels=9)), ("sd15_inpaint", tiny_sd("sd1", 9))):
-        paths.update(_write_model(models, out_dir, name))
+        paths.update(write_model(models, out_dir, name))
     return paths
 
 

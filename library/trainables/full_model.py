@@ -28,7 +28,8 @@ import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
-from library import checkpoint_files, compatibility, full_model_files, full_training_params, lora_files, train_state
+from library import checkpoint_files, compatibility, full_model_files, full_training_params, fused_backward, lora_files
+from library import optimizers, train_state
 from library.ema import LoraEma
 from library.errors import UserError
 from library.full_model_files import ModelFormat, ModelSaver
@@ -106,9 +107,8 @@ def validate_arguments(args: argparse.Namespace, script: Script, sdxl: bool) -> 
         if value is not None and not value >= 0:
             raise UserError(f"--{flag} {value} must be a number >= 0 (0: that part does not train)")
     full_training_params.check_full_precision(args.mixed_precision, args.full_fp16, args.full_bf16)
-    if getattr(args, "fused_backward_pass", False) or getattr(args, "fused_optimizer_groups", None):
-        raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not yet available in {script}.py "
-                        f"(library/fused_backward.py is not wired into the training loop yet); leave them out")
+    fused_backward.FusedOptions.from_args(args, optimizers.effective_optimizer_type(args),
+                                          announce=lambda line: None)  # the build says it once
     if args.debiased_loss:
         raise UserError("--debiased_loss compares with the base model's loss, which a full fine-tune changes; "
                         "it is for LoRA training only")

@@ -18,8 +18,8 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from tqdm import tqdm
 
 from library import (
-    best_checkpoint, compatibility, debiased_loss, ema, fault_injection, flat_gradients, fp8_base, grad_guard,
-    healing, inpainting, lora_files, lora_metadata, loss_scaling, losses, nan_report, noise, optimizers, preflight, sampling,
+    best_checkpoint, compatibility, debiased_loss, ema, fault_injection, flat_gradients, fp8_base, fused_backward,
+    grad_guard, healing, inpainting, lora_files, lora_metadata, loss_scaling, losses, nan_report, noise, optimizers, preflight, sampling,
     torch_compile, tracking, train_state, validation,
 )
 from library.datasets import caching as dataset_caching, dataset as datasets
@@ -29,6 +29,7 @@ from library.run_data import TrainingData
 from library.run_outputs import RunOutputs
 from library.trainables.base import Trainable
 from library.training.config import TrainingConfig
+from library.training import gradient_step as step_paths
 from library.training.families import StableDiffusionFamily
 from library.training.run import LossContext, Optimization, Run
 from networks import merge_lora
@@ -181,23 +182,42 @@ def build_optimization(args: argparse.Namespace, accelerator: Accelerator, train
                        data: TrainingData) -> Optimization:
     """The trainable's parameter groups, optimizer, schedule, loss scaler, guard, healing and EMA."""
     param_groups = trainable.param_groups()
+    fused = fused_backward.FusedOptions.from_args(args, optimizers.effective_optimizer_type(args), announce=print) \
+        if trainable.writes_models else fused_backward.FusedOptions()  # kohya: the full fine-tuners' options
+    if fused.groups:  # kohya's split; one optimizer holds the groups, each stepped alone (GroupStep)
+        param_groups = fused_backward.split_into_groups(param_groups, fused.groups)
     trainable_params = [p for group in param_groups for p in group["params"]]
-    gradients = flat_gradients.FlatGradients(trainable_params)  # each step's .grad views of one buffer
+    # each step's .grad views of one buffer; a fused backward never holds every gradient at once
+    gradients = None if fused.enabled else flat_gradients.FlatGradients(trainable_params)
     optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
     lora_files.apply_epoch_ratio(args, data.num_epochs)
     lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)
     scaler = loss_scaling.create_loss_scaler(args, accelerator.device)
     guard = grad_guard.GradGuard(grad_guard.GuardConfig.from_args(args), announce=tqdm.write)
     agree = (lambda skip: grad_guard.agree_across_processes(skip, accelerator)) if accelerator.num_processes > 1 else None
+    if fused.enabled and args.grad_cosine_log:
+        print(f"--grad_cosine_log: off with {fused.flag} (it keeps the previous step's whole gradient, the memory "
+              f"the fused backward saves); the guard's norm is unchanged")
+        args.grad_cosine_log = False
     log_cosine = accelerator.is_main_process and args.grad_norm_log and args.grad_cosine_log
-    monitor = grad_guard.GradientMonitor(gradients, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+    if fused.enabled:
+        fused_pass = fused_backward.FusedBackward(
+            [optimizer] if fused.fused_backward_pass else fused_backward.group_steps(optimizer),
+            per_parameter=fused.fused_backward_pass, max_grad_norm=args.max_grad_norm, scaler=scaler,
+            cosine=log_cosine, unscaled=args.grad_norm_unscaled, rounding_seed=args.seed,
+            backward=lambda tensor, retain: accelerator.backward(tensor, retain_graph=retain))
+        monitor, gradient_step = fused_pass.monitor, step_paths.FusedStep(fused_pass)
+    else:
+        monitor = grad_guard.GradientMonitor(gradients, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
+        gradient_step = step_paths.UnfusedStep(accelerator)
     dataset = data.dataset
     healer = healing.HealingPolicy(healing.HealingConfig.from_args(args), len(dataset.plan.images),
                                    describe=lambda image: (dataset.plan.images[image].path,
                                                            dataset.plan.images[image].caption))
     return Optimization(trainable_params, gradients, optimizer, optimizer_name, optimizer_args, lr_scheduler,
                         scaler, guard, monitor, healer, agree,
-                        fault_injection.parse_injections(args.debug_inject_grad), ema.create(args, trainable_params))
+                        fault_injection.parse_injections(args.debug_inject_grad), ema.create(args, trainable_params),
+                        gradient_step=gradient_step)
 
 
 def build_state(trainer: Trainer, args: argparse.Namespace, accelerator: Accelerator, optimization: Optimization,

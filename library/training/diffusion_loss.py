@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -36,11 +36,13 @@ class LossHooks(Protocol):
 
 def backward_window(
     hooks: LossHooks, run: LossContext, window: list[dict[str, Any]], epoch: int, accelerator: Accelerator, scaler,
-    samples: Optional[healing.WindowSamples] = None,
+    samples: Optional[healing.WindowSamples] = None, backward: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch of one accumulation window; returns the window's loss
     (a 0-dim tensor: the gradient monitor reads it in its one host sync per step). ``samples``
     collects each sample's loss and input finiteness, summed over processes with the window loss.
+    ``backward``: what runs each micro-batch's (scaled) objective's backward (default
+    ``accelerator.backward``; a fused backward keeps it for its measuring pass).
 
     The loss is normalised over the whole window and all processes (``--loss_normalization
     exact``): the weight denominator is known before the first backward, because weights
@@ -58,7 +60,7 @@ def backward_window(
         # Gradients are summed over processes afterwards, so each process's share of the
         # global sum / global denominator adds up to exactly the full-batch gradient.
         objective = losses.micro_batch_objective(result.loss_sum, denominator, 1.0)
-        accelerator.backward(scaler.scale(objective) if scaler else objective)
+        (backward or accelerator.backward)(scaler.scale(objective) if scaler else objective)
         window_loss_sum += result.loss_sum.detach()
         if samples is not None:
             samples.add(batch["sample_indices"], result.per_sample, result.inputs_finite, "padding" in batch)

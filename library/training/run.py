@@ -47,11 +47,12 @@ class LossContext:
 @dataclass
 class Optimization:
     """What turns gradients into updates, and what watches them: optimizer, learning-rate schedule, the
-    fp16 loss scaler (None otherwise), the gradient guard and its monitor, the healing policy, and the
-    EMA of the weights (None without ``--ema_decay``)."""
+    fp16 loss scaler (None otherwise), the gradient guard and its monitor, the healing policy, the
+    EMA of the weights (None without ``--ema_decay``) and how a step's gradients become the update
+    (``gradient_step``: unfused, or applied during the backward with ``--fused_backward_pass``)."""
 
     trainable_params: list[torch.nn.Parameter]
-    gradients: flat_gradients.FlatGradients  # the step's .grad as views of one buffer
+    gradients: Optional[flat_gradients.FlatGradients]  # the step's .grad as views of one buffer (None: fused)
     optimizer: torch.optim.Optimizer
     optimizer_name: str
     optimizer_args: str
@@ -63,6 +64,7 @@ class Optimization:
     agree: Optional[Callable[[bool], bool]]  # the guard's decision shared by the processes
     injections: dict[int, fault_injection.Injection]
     ema: Optional[ema.LoraEma] = None
+    gradient_step: Any = None  # library.training.gradient_step: UnfusedStep, or FusedStep (update in backward)
 
     def unscaled(self, measured: grad_guard.GradientMeasurement) -> float:
         """The measured norm without the loss scale (what the runaway test compares across scale changes)."""

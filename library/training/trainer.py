@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
 from library import best_checkpoint, fault_injection, healing, lora_files, losses, lr_finder, nan_report
-from library import optimizers, sampling, sharding, train_state
+from library import optimizers, sampling, train_state
 from library.model_loading import StableDiffusionModels
 from library.run_data import Window
 from library.run_outputs import StepResult
@@ -105,13 +105,11 @@ class Trainer:
         optimizers.enter_train_mode(optimization.optimizer)  # schedule-free: save points leave it at its average
         samples = healing.WindowSamples(accelerator.process_index, accelerator.num_processes,
                                         run.config.gradient_accumulation_steps, run.data.dataset.max_batch_size)
+        gradient_step = optimization.gradient_step  # unfused, or the update applied during backward
         window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
-                                           samples)
-        sharding.sum_gradients_across_processes(optimization.gradients)
-        fault_injection.inject(optimization.injections, step, accelerator.process_index, optimization.trainable_params)
+                                           samples, backward=gradient_step.backward)
+        measured = gradient_step.measure(optimization, step, window_loss, samples.reduced)
         scaler = optimization.scaler
-        measured = optimization.monitor.measure(scale=scaler.get_scale_tensor() if scaler else None,
-                                                loss=window_loss, riders=samples.reduced)
         decision = optimization.guard.decide(step, measured.norm, optimization.agree)
         outcome = healing.StepOutcome(
             step, healing.WindowSamples.outcomes(measured.riders, run.data.dataset.image_index_of), measured.loss,
@@ -121,10 +119,9 @@ class Trainer:
             verdict = optimization.healer.weights_diverged(verdict)
         after_step_logs = {}
         if decision.skip or not verdict.train:
-            optimization.optimizer.zero_grad(set_to_none=True)
+            gradient_step.discard(optimization)
         else:
-            self.optimizer_step(run.config, optimization.optimizer, optimization.lr_scheduler, scaler,
-                                optimization.trainable_params, measured.loss)
+            gradient_step.apply(self, run.config, optimization, measured.loss)
             after_step_logs = run.trainable.after_optimizer_step()
         stepped = not decision.skip and verdict.train and not (scaler is not None and scaler.last_step_skipped)
         if stepped and optimization.ema is not None:  # a skipped step leaves the average as it is
@@ -170,8 +167,9 @@ class Trainer:
 
     # -- the loss path ---------------------------------------------------------------------------
     def backward_window(self, run: LossContext, window: list[dict[str, Any]], epoch: int, accelerator: Accelerator,
-                        scaler, samples: Optional[healing.WindowSamples] = None) -> torch.Tensor:
-        return diffusion_loss.backward_window(self, run, window, epoch, accelerator, scaler, samples)
+                        scaler, samples: Optional[healing.WindowSamples] = None,
+                        backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        return diffusion_loss.backward_window(self, run, window, epoch, accelerator, scaler, samples, backward)
 
     def plan_loss(self, run: LossContext, batch: dict[str, Any], epoch: int,
                   timesteps: Optional[torch.Tensor] = None) -> losses.BatchWeights:
