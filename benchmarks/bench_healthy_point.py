@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -44,25 +45,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny_full_fine_tune(steps: int, location: str, work_dir: str) -> dict[str, float]:
-    """``steps`` steps of a tiny SDXL full fine-tune with a healthy point at every step at ``location``."""
+    """``steps`` steps of a tiny SDXL full fine-tune with a healthy point at every step at ``location``:
+    ``bench_healing.timed_run``'s step and capture times and bytes."""
     import sdxl_train
-    from library.train_state import RunStates
+    from bench_healing import timed_run
     from library.training.trainer import Trainer
     from tools.build_tiny_models import build_tiny_models
     from tools.make_demo_dataset import make_demo_dataset
-
-    step_starts, captures, sizes = [], [], []
-    original_step, original_capture = Trainer.train_step, RunStates.capture
-
-    def train_step(self, run, window):
-        step_starts.append(time.perf_counter())
-        return original_step(self, run, window)
-
-    def capture(self, step, position):
-        start = time.perf_counter()
-        original_capture(self, step, position)
-        captures.append(time.perf_counter() - start)
-        sizes.append(self.healthy_point_bytes())
 
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         models = build_tiny_models(Path(tmp) / "models")
@@ -73,15 +62,11 @@ def tiny_full_fine_tune(steps: int, location: str, work_dir: str) -> dict[str, f
                 "--optimizer_type", "AdamW", "--mixed_precision", "fp16", "--max_train_steps", str(steps),
                 "--seed", "42", "--max_data_loader_n_workers", "0", "--grad_guard_preset", "stable",
                 "--rewind_every_n_steps", "1", "--healthy_point_location", location, "--save_model_as", "safetensors"]
-        Trainer.train_step, RunStates.capture = train_step, capture
-        try:
+
+        def train() -> None:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 sdxl_train.main(argv)
-        finally:
-            Trainer.train_step, RunStates.capture = original_step, original_capture
-    step_times = [b - a - snapshot for a, b, snapshot in zip(step_starts, step_starts[1:], captures[1:])]
-    return {"step_s": statistics.median(step_times[2:]), "capture_s": statistics.median(captures[2:]),
-            "bytes": sizes[-1]}
+        return timed_run(Trainer, train)
 
 
 def sdxl_unet_shapes() -> dict[str, torch.Size]:
@@ -194,9 +179,10 @@ def main() -> None:
     torch.set_num_threads(1)
     tiny = {location: tiny_full_fine_tune(args.steps, location, args.work_dir) for location in ("memory", "disk")}
     for location, result in tiny.items():
-        print(f"tiny SDXL full fine-tune, healthy point in {location}: capture {result['capture_s'] * 1000:.1f} ms, "
-              f"{result['bytes'] / 2**20:.2f} MiB; step {result['step_s'] * 1000:.0f} ms; overhead at every 50 "
-              f"steps {100 * result['capture_s'] / (50 * result['step_s']):.2f}%")
+        print(f"tiny SDXL full fine-tune, healthy point in {location}: capture {result['snapshot_s'] * 1000:.1f} ms, "
+              f"{result['snapshot_bytes'] / 2**20:.2f} MiB; step {result['step_s'] * 1000:.0f} ms; overhead at "
+              f"every 50 "
+              f"steps {100 * result['snapshot_s'] / (50 * result['step_s']):.2f}%")
     shapes = sdxl_unet_shapes()
     full = {}
     for name in ("adamw", "adafactor_bf16"):
@@ -209,8 +195,9 @@ def main() -> None:
               f"~{result['full_read_s']:.0f} s, memory copy ~{result['full_copy_s']:.0f} s")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS {peak:.2f} GiB")
-    print(f"tiny_disk_ms={tiny['disk']['capture_s'] * 1000:.1f} tiny_memory_ms={tiny['memory']['capture_s'] * 1000:.1f} "
-          f"tiny_mib={tiny['disk']['bytes'] / 2**20:.2f} full_adamw_gib={full['adamw']['full_bytes'] / 2**30:.1f} "
+    disk, memory = tiny["disk"], tiny["memory"]
+    print(f"tiny_disk_ms={disk['snapshot_s'] * 1000:.1f} tiny_memory_ms={memory['snapshot_s'] * 1000:.1f} "
+          f"tiny_mib={disk['snapshot_bytes'] / 2**20:.2f} full_adamw_gib={full['adamw']['full_bytes'] / 2**30:.1f} "
           f"full_adamw_write_s={full['adamw']['full_write_s']:.0f} "
           f"full_adafactor_bf16_gib={full['adafactor_bf16']['full_bytes'] / 2**30:.1f} "
           f"full_adafactor_bf16_write_s={full['adafactor_bf16']['full_write_s']:.0f}")

@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV, model_args
+from conftest import model_args
+from test_training_core import run_script
 
 from library import healthy_point
 from library.train_state import RunStates, StateStore
@@ -111,11 +111,7 @@ def test_a_state_holds_the_disk_point_as_a_link_and_resumes_it_anywhere(tmp_path
 
 
 def run_full(argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(REPO / "sdxl_train.py"), *argv], cwd=REPO, env=SCRIPT_ENV,
-                            capture_output=True, text=True, timeout=600)
-    if expect is not None:
-        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
-    return result
+    return run_script("sdxl_train.py", argv, expect)
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +182,15 @@ def test_killed_while_writing_the_healthy_point_then_resumed_gives_the_uninterru
     for name in COMPARED:
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
     assert not (tmp_path / "ft-healthy").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--healthy_point_location", "disk"], "--healthy_point_location shapes the rewinds of --rewind_on_divergence"),
+    (["--grad_guard_preset", "stable", "--healthy_point_location", "gpu"], "--healthy_point_location: invalid choice"),
+])
+def test_bad_location_is_one_line_before_the_model_loads(flags, expected, tiny_models, tmp_path, capsys):
+    from conftest import train_expecting_user_error
+
+    argv = model_args(tiny_models, "sdxl") + ["--train_data_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
+                                              *flags]
+    assert expected in train_expecting_user_error(argv, capsys, script="sdxl_train")
