@@ -84,9 +84,9 @@ def state_bytes(optimizer_name: str, shape: torch.Size) -> int:
     numel = shape.numel()
     if optimizer_name == "adamw":  # exp_avg, exp_avg_sq (+ a 0-d step)
         return 4 * (2 * numel + 1)
-    if len(shape) >= 2:  # Adafactor without a first moment: factored second moment
-        return 4 * (shape[:-1].numel() + (shape[:-2] + shape[-1:]).numel())
-    return 4 * numel
+    if len(shape) >= 2:  # Adafactor without a first moment: factored second moment (+ a 0-d RMS)
+        return 4 * (shape[:-1].numel() + (shape[:-2] + shape[-1:]).numel() + 1)
+    return 4 * (numel + 1)
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -571,10 +571,10 @@ class RunStates:
         components = {key: component.state_dict() for key, component in self.components.items()}
         linked = {}
         if healthy_point.is_on_disk(self.healthy_point):
-            point = self.healthy_point
+            point, digest = self.healthy_point, healthy_point.checksum(self.healthy_point)
             components[HEALTHY_POINT] = {"step": point["step"], "position": point["position"],
-                                         "file": healthy_point.STATE_FILE, "sha256": point["sha256"]}
-            linked[healthy_point.STATE_FILE] = (Path(point["file"]), point["sha256"])
+                                         "file": healthy_point.STATE_FILE, "sha256": digest}
+            linked[healthy_point.STATE_FILE] = (Path(point["file"]), digest)
         elif self.healthy_point is not None:
             components[HEALTHY_POINT] = self.healthy_point
         return self.store.save(name, progress, self.network.training_state_dict(), components, linked) is not None
