@@ -3,7 +3,7 @@
 The healthy point (``train_state.RunStates.capture``) is everything a rewind puts back: the trained
 tensors, the optimizer, schedule, loss scaler, guard, EMA and the RNGs. For a LoRA that is megabytes and
 it stays in memory, as it always did. For a full fine-tune it is the whole model plus its optimizer
-state: a full-size SDXL UNet with AdamW is ~31 GiB, which a machine that trains it seldom has spare.
+state: a full-size SDXL UNet with AdamW is 28.7 GiB, which a machine that trains it seldom has spare.
 
 ``--healthy_point_location`` (:data:`LOCATIONS`): ``memory``; ``disk``; ``auto`` (default): memory when
 the point is at most :data:`MEMORY_SHARE` of the memory available when it is taken, else disk, decided

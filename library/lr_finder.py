@@ -15,8 +15,9 @@ training turns unstable (the stop; ``--find_lr_max`` when it never did), and one
 it: a decade below the unstable edge (the classic rule), not below the low edge.
 
 Everything it touched is put back bit-exactly afterwards (``RunStates.snapshot/restore``: network,
-optimizer, schedule, scaler, guard, EMA and every RNG, kept where the healthy point would be,
-``--healthy_point_location``; the self-healing's healthy point itself is untouched), so a run after ``--find_lr`` writes the same bytes as the run without it.
+optimizer, schedule, scaler, guard, EMA and every RNG, kept where ``--healthy_point_location`` keeps
+the healthy point; that point itself is untouched), so a run after ``--find_lr`` writes the same
+bytes as the run without it.
 Learning-rate-free optimizers (Prodigy, D-Adaptation) get one line saying that it does not apply.
 Writes ``<output_name>-lr_find.csv`` (and ``-lr_find.png`` with matplotlib).
 """

@@ -12,7 +12,7 @@ A state holds the trained models' tensors (``FullModel.training_state_dict``: ``
 and RNGs, written by the core's ``train_state.StateStore`` (atomic, ``--resume auto`` exact).
 
 The healthy point (self-healing) is kept where it fits (``library.healthy_point``): a full model's weights
-and optimizer state (AdamW: ~3x the trained weights in float32, ~31 GiB for a full-size SDXL UNet) go to a
+and optimizer state (AdamW: ~3x the trained weights in float32, 28.7 GiB for a full-size SDXL UNet) go to a
 file on disk written at each healthy point when they do not fit in memory; see docs/full_fine_tuning.md.
 """
 from __future__ import annotations
