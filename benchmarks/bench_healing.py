@@ -27,6 +27,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -53,13 +54,14 @@ def train_quickstart(steps: int, *extra: str) -> None:
             sdxl_train_network.main(argv)
 
 
-def tiny_sdxl(steps: int) -> dict[str, float]:
-    import sdxl_train_network
+def timed_run(trainer_class: type, train: Callable[[], None]) -> dict[str, float]:
+    """``train()`` with every optimizer step of ``trainer_class`` and every healthy-point capture
+    (``RunStates.capture``) timed: the median step (start to start, the capture in between excluded) and
+    capture, past the first two, and the last capture's bytes."""
     from library.train_state import RunStates
 
-    trainer = sdxl_train_network.SdxlNetworkTrainer
     step_starts, captures, sizes = [], [], []
-    original_step, original_capture = trainer.train_step, RunStates.capture
+    original_step, original_capture = trainer_class.train_step, RunStates.capture
 
     def train_step(self, run, window):
         step_starts.append(time.perf_counter())
@@ -71,15 +73,21 @@ def tiny_sdxl(steps: int) -> dict[str, float]:
         captures.append(time.perf_counter() - start)
         sizes.append(self.healthy_point_bytes())
 
-    trainer.train_step, RunStates.capture = train_step, capture
+    trainer_class.train_step, RunStates.capture = train_step, capture
     try:
-        train_quickstart(steps, "--rewind_every_n_steps", "1")
+        train()
     finally:
-        trainer.train_step, RunStates.capture = original_step, original_capture
-    # a step's time without its snapshot: start to start, minus the snapshot taken in between
+        trainer_class.train_step, RunStates.capture = original_step, original_capture
     step_times = [b - a - snapshot for a, b, snapshot in zip(step_starts, step_starts[1:], captures[1:])]
     return {"step_s": statistics.median(step_times[2:]), "snapshot_s": statistics.median(captures[2:]),
             "snapshot_bytes": sizes[-1]}
+
+
+def tiny_sdxl(steps: int) -> dict[str, float]:
+    import sdxl_train_network
+
+    return timed_run(sdxl_train_network.SdxlNetworkTrainer,
+                     lambda: train_quickstart(steps, "--rewind_every_n_steps", "1"))
 
 
 def full_size_snapshot(repeats: int) -> dict[str, float]:

@@ -101,17 +101,49 @@ def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
 
 
 def write_folder(path: str | os.PathLike, files: Mapping[str, bytes],
-                 before_rename: Optional[Callable[[Path], None]] = None) -> None:
+                 before_rename: Optional[Callable[[Path], None]] = None,
+                 linked: Optional[Mapping[str, Path]] = None) -> None:
     """Replace the folder ``path`` by one holding ``files`` (name -> bytes), atomically and durably
-    (see :func:`writing_folder`). ``before_rename(temporary)`` runs when the temporary folder is complete
+    (see :func:`writing_folder`). ``linked`` (name -> an existing file): files that join the folder as
+    hard links (:func:`link_or_copy`). ``before_rename(temporary)`` runs when the temporary folder is complete
     (kill tests die there). ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room.
     """
     with _writing_folder(path, sum(len(data) for data in files.values()), files_synced=True) as temporary:
         for name, data in files.items():
             with open(temporary / name, "wb", buffering=0) as file:
                 _write_durably(file, data)
+        for name, source in (linked or {}).items():
+            link_or_copy(source, temporary / name)
         if before_rename is not None:
             before_rename(temporary)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` becomes a hard link of ``source`` (no bytes written: both names share the file, which
+    lives as long as one of them); where the filesystem has no hard links, a durable copy."""
+    try:
+        os.link(source, target)
+    except OSError as error:
+        if error.errno in NO_SPACE_ERRNOS:
+            raise
+        with no_space_is_disk_full(target, source.stat().st_size):
+            shutil.copyfile(source, target)
+            size = target.stat().st_size
+            if _spend(size) < size:  # the simulated disk
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+            with open(target, "rb+") as file:
+                os.fsync(file.fileno())
+
+
+def link_file(source: Path, target: Path) -> None:
+    """Replace ``target`` by a hard link (or copy) of ``source``, atomically and durably; creates the folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(target)
+    with _removed_on_error(temporary):
+        temporary.unlink(missing_ok=True)
+        link_or_copy(source, temporary)
+        os.replace(temporary, target)
+        fsync_folder(target.parent)
 
 
 @contextlib.contextmanager

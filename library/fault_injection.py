@@ -5,7 +5,9 @@ first trainable gradient right after the backward of the step's last micro-batch
 guard measures. The GradScaler, the gradient guard and the multi-process agreement then meet a
 real non-finite gradient; nothing is mocked.
 
-``--debug_kill_in_state_write K`` SIGKILLs the process while the K-th state is written.
+``--debug_kill_in_state_write K`` SIGKILLs the process while the K-th state is written;
+``--debug_kill_in_healthy_point_write K`` while the K-th healthy point is written to disk
+(``library.healthy_point``).
 
 ``--debug_disk_full_after_bytes N`` makes the disk look full once the run's file writes
 (``library.atomic_files``: LoRA files, states, logs, caches) took N bytes: the write that
@@ -34,6 +36,7 @@ VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug_inject_grad", type=str, nargs="*", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug_kill_in_state_write", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug_kill_in_healthy_point_write", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug_report_weights", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--debug_disk_full_after_bytes", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -73,8 +76,9 @@ def inject(injections: dict[int, Injection], step: int, rank: int, parameters: S
 
 
 def state_write_hook(kill_at: Optional[int]) -> Optional[Callable[[Path], None]]:
-    """With ``--debug_kill_in_state_write K``: SIGKILL this process while the K-th state of the
-    run is written (its files are complete but it is not yet renamed into place)."""
+    """With ``--debug_kill_in_state_write K`` (or ``--debug_kill_in_healthy_point_write K``): SIGKILL this
+    process while the K-th state (healthy point) of the run is written (its files are complete but it is
+    not yet renamed into place)."""
     if kill_at is None:
         return None
     written = {"count": 0}

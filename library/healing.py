@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from library import healthy_point
 from library.errors import UserError
 
 PRESET: dict[str, Any] = {"rewind_on_divergence": True, "quarantine_bad_samples": True, "nan_report": True}
@@ -72,8 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "stable preset)")
     add("--rewind_every_n_steps", type=int, default=50, metavar="N",
         help="keep the run's state as the healthy point every N optimizer steps while the run is healthy (the "
-             "initial state is the first one; one copy of the LoRA and optimizer state, in CPU memory). "
+             "initial state is the first one; one copy of the trained weights and optimizer state, where "
+             "--healthy_point_location says). "
              "Default: 50")
+    add("--healthy_point_location", choices=healthy_point.LOCATIONS, default="auto",
+        help="where the healthy point is kept: memory (CPU memory), disk (one file per process in "
+             "<output_dir>/<output_name>-healthy/, written atomically at each healthy point and removed when the "
+             "run ends; a state saved meanwhile holds a hard link of it), or auto: memory while the point is at most "
+             f"{healthy_point.MEMORY_SHARE:.0%} of the available memory, else disk (a full fine-tune's weights and "
+             "optimizer state; docs/full_fine_tuning.md says what a write costs). A rewind from either gives the "
+             "same weights. Default: auto")
     add("--rewind_lr_factor", type=float, default=0.1, metavar="F",
         help="learning rate multiplier at each rewind, 0 < F < 1 (all groups and the schedule). Default: 0.1")
     add("--max_rewinds", type=int, default=8, metavar="N",
@@ -109,6 +118,7 @@ class HealingConfig:
 
     rewind_on_divergence: bool = False
     rewind_every_n_steps: int = 50
+    healthy_point_location: str = "auto"
     rewind_lr_factor: float = 0.1
     max_rewinds: int = 8
     divergence_nan_steps: int = 2
@@ -126,6 +136,9 @@ class HealingConfig:
                 raise UserError(f"--{name} {getattr(self, name)} must be a whole number of optimizer steps >= 1")
         if not (isinstance(self.max_rewinds, int) and self.max_rewinds >= 0):
             raise UserError(f"--max_rewinds {self.max_rewinds} must be a whole number >= 0")
+        if self.healthy_point_location not in healthy_point.LOCATIONS:
+            raise UserError(f"--healthy_point_location {self.healthy_point_location}: expected one of "
+                            f"{', '.join(healthy_point.LOCATIONS)}")
         if not 0 < self.rewind_lr_factor < 1:
             raise UserError(f"--rewind_lr_factor {self.rewind_lr_factor} must be between 0 and 1 (e.g. 0.1)")
         for name in ("divergence_loss_ratio", "divergence_grad_ratio"):
@@ -142,7 +155,7 @@ class HealingConfig:
         return cls(**options)
 
 
-REWIND_OPTIONS = ("rewind_every_n_steps", "rewind_lr_factor", "max_rewinds")
+REWIND_OPTIONS = ("rewind_every_n_steps", "rewind_lr_factor", "max_rewinds", "healthy_point_location")
 """Options that shape the rewinds only: given without rewinding, they would do nothing."""
 
 

@@ -16,9 +16,10 @@ in benchmarks/bench_lr_finder.py the classic rule (a decade below the edge, not 
 missed the good band of a constant-rate grid (docs/know_your_lora.md); the unstable edge is an upper
 bound only (a run that stays at one rate diverges well below it).
 
-Everything it touched is put back bit-exactly afterwards (``RunStates.capture/restore``: network,
-optimizer, schedule, scaler, guard, EMA and every RNG; the self-healing's healthy point is kept
-aside and put back), so a run after ``--find_lr`` writes the same bytes as the run without it.
+Everything it touched is put back bit-exactly afterwards (``RunStates.snapshot/restore``: network,
+optimizer, schedule, scaler, guard, EMA and every RNG, kept where ``--healthy_point_location`` keeps
+the healthy point; that point itself is untouched), so a run after ``--find_lr`` writes the same
+bytes as the run without it.
 Learning-rate-free optimizers (Prodigy, D-Adaptation) get one line saying that it does not apply.
 Writes ``<output_name>-lr_find.csv`` (and ``-lr_find.png`` with matplotlib).
 """
@@ -148,13 +149,13 @@ def find(trainer: Any, run: Any) -> Optional[Window]:
               f"rate")
         return None
     states, progress, optimization = run.states, run.progress, run.optimization
-    healthy_point = states.healthy_point
-    states.capture(progress.global_step, position=(progress.epoch, progress.batches_done))
+    place = states.place.beside("find_lr.pt", "the learning-rate finder's snapshot")
+    snapshot = states.snapshot(progress.global_step, (progress.epoch, progress.batches_done), place)
     try:
         rows, base = ramp(trainer, run)
     finally:
-        states.restore(run.device)
-        states.healthy_point = healthy_point
+        states.restore(run.device, snapshot)
+        place.clear()
         optimization.optimizer.zero_grad(set_to_none=True)
         if run.loss.debiased is not None:  # --debiased_loss collected the finder's steps too
             run.loss.debiased.clear()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
-from library import atomic_files, kohya_state, optimizers
+from library import atomic_files, healthy_point, kohya_state, optimizers
 from library.config_file import key_value_items
 from library.checkpoint_files import file_sha256
 from library.datasets.config import parse_resolution_wh
@@ -302,8 +302,10 @@ class StateStore:
 
     # -- writing ------------------------------------------------------------------------
     def save(self, name: str, progress: Progress, lora: dict[str, torch.Tensor],
-             components: dict[str, Any]) -> Optional[Path]:
+             components: dict[str, Any], linked: Optional[dict[str, tuple[Path, str]]] = None) -> Optional[Path]:
         """Write state folder ``name`` completely, then rename it into place and point the tracker at it.
+        ``linked``: name -> (an existing file, its SHA-256) that joins the state as a hard link (the
+        healthy point on disk, ``library.healthy_point``).
 
         Returns None, writing nothing and printing one line, when the LoRA or the optimizer state
         holds NaN/Inf (or the LoRA overflows ``save_dtype``): the tracker keeps naming the last good state.
@@ -329,9 +331,12 @@ class StateStore:
             "arguments": self.protected,
             "files": {file_name: hashlib.sha256(data).hexdigest() for file_name, data in files.items()},
         }
+        linked = linked or {}
+        manifest["files"].update({file_name: checksum for file_name, (_, checksum) in linked.items()})
         files[MANIFEST] = json.dumps(manifest, indent=1).encode("utf-8")
         final = self.output_dir / name
-        atomic_files.write_folder(final, files, before_rename=self._before_rename)
+        atomic_files.write_folder(final, files, before_rename=self._before_rename,
+                                  linked={file_name: source for file_name, (source, _) in linked.items()})
         atomic_files.write_file(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
         return final
 
@@ -450,13 +455,16 @@ def copied(value: Any, device: torch.device | str = "cpu") -> Any:
 
 
 HEALTHY_POINT = "healthy_point"
-"""Where a state folder's ``components.pt`` keeps the in-memory healthy point (see ``RunStates.capture``)."""
+"""Where a state folder's ``components.pt`` keeps the healthy point (see ``RunStates.capture``): the point
+itself when it is in memory; ``{step, position, file, sha256}`` when it is on disk, ``file`` naming the
+state's own hard link of it (``healthy_point.STATE_FILE``)."""
 
 
 class RunStates:
     """Saving and resuming one run's state: the LoRA ``network`` and the stateful ``components``
     (name -> object with ``state_dict``/``load_state_dict``: optimizer, LR schedule, guard, ...),
-    and an in-memory copy of them, the *healthy point*, that a diverging run rewinds to.
+    and a copy of them, the *healthy point*, that a diverging run rewinds to: in CPU memory, or on
+    disk where ``place`` says it does not fit (``library.healthy_point``, ``--healthy_point_location``).
 
     The healthy point is saved with every state, so a resumed run rewinds exactly as the
     uninterrupted one. ``not_captured``: components the healthy point leaves out (the healing
@@ -464,49 +472,61 @@ class RunStates:
     """
 
     def __init__(self, store: StateStore, network: torch.nn.Module, components: dict[str, Any],
-                 not_captured: tuple[str, ...] = ()) -> None:
+                 not_captured: tuple[str, ...] = (), place: Optional[healthy_point.HealthyPointPlace] = None) -> None:
         self.store = store
         self.network = network
         self.components = components
         self.not_captured = not_captured
+        self.place = place or healthy_point.HealthyPointPlace()
         self.healthy_point: Optional[dict[str, Any]] = None
 
     def capture(self, step: int, position: tuple[int, int]) -> None:
-        """Copy the network, the captured components and the RNGs into CPU memory as the state after
-        ``step``; ``position``: (epoch, batches done) of the data then."""
-        self.healthy_point = {
+        """Keep the network, the captured components and the RNGs as the state after ``step`` (in CPU
+        memory, or written to this process's file); ``position``: (epoch, batches done) of the data then."""
+        self.healthy_point = self.snapshot(step, position, self.place)
+
+    def snapshot(self, step: int, position: tuple[int, int], place: healthy_point.HealthyPointPlace) -> dict[str, Any]:
+        """The state now as a point ``restore`` takes: copies in CPU memory, or ``place``'s file."""
+        network = self.network.training_state_dict()
+        components = {name: component.state_dict() for name, component in self.components.items()
+                      if name not in self.not_captured}
+        size = healthy_point.tensor_bytes((network, components))
+        if place.on_disk(size):
+            return place.write(step, list(position), {"network": network, "components": components, "rng": rng_state()})
+        place.kept_in_memory(size)
+        return {
             "step": step,
             "position": list(position),
-            "network": copied(self.network.training_state_dict()),
-            "components": {name: copied(component.state_dict()) for name, component in self.components.items()
-                           if name not in self.not_captured},
+            "network": copied(network),
+            "components": {name: copied(state) for name, state in components.items()},
             "rng": copied(rng_state()),
         }
 
-    def restore(self, device: torch.device) -> int:
-        """Put the healthy point back into the live objects (copies: it can be restored again); its step."""
-        point = self.healthy_point
-        self.network.load_training_state_dict({key: value.to(device) for key, value in point["network"].items()})
-        for name, state in point["components"].items():
+    def restore(self, device: torch.device, point: Optional[dict[str, Any]] = None) -> int:
+        """Put the healthy point (or ``point``) back into the live objects (copies: it can be restored
+        again); its step."""
+        point = point or self.healthy_point
+        kept = healthy_point.read(point) if healthy_point.is_on_disk(point) else point
+        self.network.load_training_state_dict({key: value.to(device) for key, value in kept["network"].items()})
+        for name, state in kept["components"].items():
             self.components[name].load_state_dict(copied(state))
-        set_rng_state(copied(point["rng"]))
+        set_rng_state(copied(kept["rng"]))
         return point["step"]
 
     def healthy_point_bytes(self) -> int:
-        """Memory the healthy point holds (its tensors)."""
-        def size(value: Any) -> int:
-            if torch.is_tensor(value):
-                return value.numel() * value.element_size()
-            if isinstance(value, dict):
-                return sum(size(item) for item in value.values())
-            if isinstance(value, (list, tuple)):
-                return sum(size(item) for item in value)
-            return 0
-        return size(self.healthy_point or {})
+        """Bytes the healthy point holds (its tensors in memory, or its file)."""
+        if healthy_point.is_on_disk(self.healthy_point):
+            return self.healthy_point["bytes"]
+        return healthy_point.tensor_bytes(self.healthy_point or {})
+
+    def close(self) -> None:
+        """The run ended: this process's healthy point file goes (a state saved with it holds its own link)."""
+        self.place.clear(remove_folder=True)
 
     def resume(self, path: Optional[Path], device: torch.device) -> Optional[Progress]:
         """Load the state folder ``path`` (from ``find_resume_state``) into the network, the components
         and the RNGs; returns its progress, or None to start fresh (``path`` None)."""
+        self.place.clear()  # a file a killed run left behind is no healthy point of this one
         if path is None:
             return None
         if kohya_state.is_kohya_state(path):  # its step is the run's initial step (initial_progress)
@@ -514,7 +534,7 @@ class RunStates:
             return None
         state = self.store.load(path)
         self.network.load_training_state_dict({key: value.to(device) for key, value in state.lora.items()})
-        self.healthy_point = state.components.get(HEALTHY_POINT)
+        self.healthy_point = self._resumed_point(state.components.get(HEALTHY_POINT), path)
         for name, component in self.components.items():
             if name not in state.components and getattr(component, "STATE_OPTIONAL", False):
                 continue  # written before this component existed: it starts fresh
@@ -527,9 +547,34 @@ class RunStates:
         print(f"resumed at step {state.progress.global_step} (epoch {state.progress.epoch})")
         return state.progress
 
+    def _resumed_point(self, point: Optional[dict[str, Any]], path: Path) -> Optional[dict[str, Any]]:
+        """The state's healthy point where this run keeps it: a state's file is linked as this process's
+        file (read into memory with ``--healthy_point_location memory``); a point in memory is written to
+        the file with ``--healthy_point_location disk``."""
+        if point is None:
+            return None
+        if healthy_point.is_on_disk(point):
+            point = {**point, "file": str(path / point["file"])}
+            if self.place.location != "memory":
+                return self.place.link(point)
+            kept = healthy_point.read(point)
+            return {"step": point["step"], "position": point["position"], "network": copied(kept["network"]),
+                    "components": copied(kept["components"]), "rng": copied(kept["rng"])}
+        if self.place.location == "disk":
+            return self.place.write(point["step"], point["position"], {
+                key: point[key] for key in ("network", "components", "rng")})
+        return point
+
     def save(self, name: str, progress: Progress) -> bool:
-        """Write state folder ``name`` (atomically, see ``StateStore.save``); False when refused."""
+        """Write state folder ``name`` (atomically, see ``StateStore.save``); False when refused. A healthy
+        point on disk joins the state as a hard link of its file."""
         components = {key: component.state_dict() for key, component in self.components.items()}
-        if self.healthy_point is not None:
+        linked = {}
+        if healthy_point.is_on_disk(self.healthy_point):
+            point, digest = self.healthy_point, healthy_point.checksum(self.healthy_point)
+            components[HEALTHY_POINT] = {"step": point["step"], "position": point["position"],
+                                         "file": healthy_point.STATE_FILE, "sha256": digest}
+            linked[healthy_point.STATE_FILE] = (Path(point["file"]), digest)
+        elif self.healthy_point is not None:
             components[HEALTHY_POINT] = self.healthy_point
-        return self.store.save(name, progress, self.network.training_state_dict(), components) is not None
+        return self.store.save(name, progress, self.network.training_state_dict(), components, linked) is not None

@@ -11,10 +11,9 @@ A state holds the trained models' tensors (``FullModel.training_state_dict``: ``
 ``text_encoder.<name>``, ``text_encoder_2.<name>``) beside the optimizer, schedule, scaler, guard
 and RNGs, written by the core's ``train_state.StateStore`` (atomic, ``--resume auto`` exact).
 
-The healthy point (self-healing) is kept in CPU memory, as the LoRA's: one more copy of the trained
-weights and of the optimizer state (AdamW: 3x the trained weights in float32; a full-size SDXL UNet
-~10 GiB weights -> ~40 GiB of CPU memory). Writing it to disk instead would cost one state write per
-``--rewind_every_n_steps``; see docs/full_fine_tuning.md.
+The healthy point (self-healing) is kept where it fits (``library.healthy_point``): a full model's weights
+and optimizer state (AdamW: ~3x the trained weights in float32, 28.7 GiB for a full-size SDXL UNet) go to a
+file on disk written at each healthy point when they do not fit in memory; see docs/full_fine_tuning.md.
 """
 from __future__ import annotations
 

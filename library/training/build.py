@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from library import (
     best_checkpoint, compatibility, debiased_loss, ema, fault_injection, flat_gradients, fp8_base, fused_backward,
-    grad_guard, healing, inpainting, lora_files, lora_metadata, loss_scaling, losses, nan_report, noise, optimizers, preflight, sampling,
-    torch_compile, tracking, train_state, validation,
+    grad_guard, healing, healthy_point, inpainting, lora_files, lora_metadata, loss_scaling, losses, nan_report,
+    noise, optimizers, preflight, sampling, torch_compile, tracking, train_state, validation,
 )
 from library.datasets import caching as dataset_caching, dataset as datasets
 from library.errors import UserError
@@ -245,8 +245,13 @@ def build_state(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
         stateful["ema"] = optimization.ema
     if best is not None:  # the best value so far (a rewind keeps it: the best file stays the best seen)
         stateful["best_checkpoint"] = best
+    place = healthy_point.HealthyPointPlace(
+        optimization.healer.config.healthy_point_location,
+        healthy_point.folder_path(args.output_dir, args.output_name) / healthy_point.file_name(
+            accelerator.process_index),
+        before_rename=fault_injection.state_write_hook(args.debug_kill_in_healthy_point_write))
     states = train_state.RunStates(store, trainer.trainable.module, stateful,
-                                   not_captured=("healing", "best_checkpoint"))
+                                   not_captured=("healing", "best_checkpoint"), place=place)
     resumed = states.resume(resume_from, accelerator.device)
     if resumed and (args.initial_step is not None or args.initial_epoch is not None):
         print("--initial_step/--initial_epoch: ignored, the run continues at the resumed state's step")

@@ -76,6 +76,7 @@ class Trainer:
             if lr_finder.requested(args):  # everything it touches is put back
                 lr_finder.find(self, run)
                 if args.find_lr_only:
+                    run.states.close()
                     return
             run.trainable.before_training(self, run)
             self.after_start(run)
@@ -92,7 +93,10 @@ class Trainer:
                 if window.ends_epoch:
                     run.data.next_epoch(run.progress)
                     self.after_epoch(run, window.epoch)
-        self.finish(run)
+        try:
+            self.finish(run)
+        finally:  # done, failed or interrupted: a healthy point on disk is no longer needed
+            run.states.close()
 
     def build_run(self, args: argparse.Namespace, explicit: set[str]) -> Optional[Run]:
         return build.build_run(self, args, explicit)
