@@ -1,6 +1,7 @@
 """``--cache_text_encoder_outputs`` (+ ``_to_disk``) for SDXL: encode every caption once, before training.
 
-Only valid when the text encoders are frozen (``--network_train_unet_only``) and a
+Only valid when the text encoders are frozen (``--network_train_unet_only``; ``sdxl_train.py``: without
+``--train_text_encoder``) and a
 sample's caption never changes (no shuffle, dropout, tag dropout or wildcards):
 otherwise the cache would train on captions the run did not ask for, so the run is
 refused before any model is loaded. Captions are encoded with the trainer's own
@@ -47,7 +48,8 @@ def validate(args: argparse.Namespace, subsets: list[SubsetSpec]) -> None:
         args.cache_text_encoder_outputs = True
     if not getattr(args, "cache_text_encoder_outputs", False):
         return
-    if not args.network_train_unet_only:
+    # A full fine-tuner says it with --train_text_encoder (refused with the cache in its own checks).
+    if not args.network_train_unet_only and getattr(args, "train_text_encoder", None) is not False:
         raise UserError("--cache_text_encoder_outputs needs --network_train_unet_only: a text encoder that is "
                         "being trained cannot have its outputs cached")
     for subset in subsets:

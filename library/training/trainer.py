@@ -48,7 +48,8 @@ class Trainer:
 
     # -- model hooks (the family's) ---------------------------------------------------------------
     def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
-        return self.family.load_models(args)
+        # a trainable that places whole models in a training dtype has them read in it (optional hook)
+        return self.family.load_models(args, getattr(self.trainable, "load_dtypes", dict)())
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
         return self.family.unet_module_names(models)
