@@ -121,6 +121,8 @@ class FullModelTrainable:
 
     kind = "model"
     writes_models = True
+    # the core's flat gradient buffer is the only copy of the gradients (flat_gradients.FlatGradients)
+    accumulates_gradients_in_place = True
 
     def __init__(self, script: Script) -> None:
         self.script = script

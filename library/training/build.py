@@ -176,7 +176,9 @@ def build_optimization(args: argparse.Namespace, accelerator: Accelerator, train
     """The trainable's parameter groups, optimizer, schedule, loss scaler, guard, healing and EMA."""
     param_groups = trainable.param_groups()
     trainable_params = [p for group in param_groups for p in group["params"]]
-    gradients = flat_gradients.FlatGradients(trainable_params)  # each step's .grad views of one buffer
+    # each step's .grad views of one buffer; a whole model's accumulate into it (one copy of its gradients)
+    gradients = flat_gradients.FlatGradients(
+        trainable_params, accumulate_in_place=getattr(trainable, "accumulates_gradients_in_place", False))
     optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
     lora_files.apply_epoch_ratio(args, data.num_epochs)
     lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)

@@ -102,6 +102,7 @@ class Trainer:
         optimizers.enter_train_mode(optimization.optimizer)  # schedule-free: save points leave it at its average
         samples = healing.WindowSamples(accelerator.process_index, accelerator.num_processes,
                                         run.config.gradient_accumulation_steps, run.data.dataset.max_batch_size)
+        optimization.gradients.attach()  # a whole model's gradients accumulate into the flat buffer
         window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
                                            samples)
         sharding.sum_gradients_across_processes(optimization.gradients)
