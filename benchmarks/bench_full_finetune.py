@@ -19,7 +19,7 @@ optimizer step in both trainers, fused or not); the step time is the median inte
 marks over the last ``--steps - 1`` steps (the first step is warm-up). Peak RSS is the kernel's
 (``ru_maxrss`` from ``wait4``: the whole run, model load included), plus the largest ``VmRSS`` sampled
 every 0.2 s while the timed steps run. The runs go one after the other (never two at once: each needs
-most of a 24 GiB machine), ours then kohya's, ``--rounds`` times (A B A B), and the load average is
+most of a 24 GiB machine), kohya's then ours, ``--rounds`` times (A B A B), and the load average is
 printed beside each run: other processes on a shared machine slow the wall time (CPU seconds per step,
 also printed, are less disturbed). The last line is the ratios of the medians over the rounds:
 ``step_ratio=<ours / kohya's> rss_ratio=<ours / kohya's> train_rss_ratio=..`` (targets <= 1.0).
@@ -150,9 +150,10 @@ def main() -> None:
     work_dir = Path(args.work_dir)
     paths = prepare(work_dir)
     kohya_dir = Path(args.kohya_dir).resolve()
-    sides = {"ours": (sys.executable, REPO / "sdxl_train.py", ""),
-             "kohya": (args.kohya_python, kohya_dir / "sdxl_train.py",
-                       os.pathsep.join([str(kohya_dir), *filter(None, [args.kohya_pythonpath])]))}
+    # kohya's first: a flag its parser refuses shows before ours has spent its run
+    sides = {"kohya": (args.kohya_python, kohya_dir / "sdxl_train.py",
+                       os.pathsep.join([str(kohya_dir), *filter(None, [args.kohya_pythonpath])])),
+             "ours": (sys.executable, REPO / "sdxl_train.py", "")}
     variant = "fused" if args.fused_backward_pass else "unfused"
     results: dict[str, list[dict]] = {"ours": [], "kohya": []}
     for round_index in range(args.rounds):
