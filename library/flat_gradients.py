@@ -9,7 +9,12 @@ processes; the loss scaler, clipping and the optimizer work on the views in plac
 Autograd itself still allocates each gradient (and ``optimizer.zero_grad(set_to_none=True)``
 still drops them): a gradient preset to a view would make every parameter's gradient
 accumulation an extra in-place add, one kernel launch per parameter per backward, which is what
-the buffer is meant to save on a host-bound GPU.
+the buffer is meant to save on a host-bound GPU. That holds every gradient twice at the gather,
+which a whole model cannot afford (a full-size SDXL UNet's bf16 gradients are 4.8 GiB): with
+``accumulate_in_place`` (the full fine-tune's) :meth:`attach` presets each ``.grad`` to its zeroed
+view before the step's first backward, autograd adds into it (``0 + g`` is ``g`` exactly, so the
+values are the same), and :meth:`gather` has nothing to copy; every parameter then counts as having a
+gradient (zero where none was computed), which is what a whole model's parameters all receive.
 
 A parameter that received no gradient (DyLoRA's rank slices not drawn, a module skipped by module
 dropout, a text encoder layer after the one whose output is used) keeps ``.grad`` None, as
@@ -37,8 +42,9 @@ class FlatGradients:
     """A flat buffer for the gradients of ``parameters`` (those with ``requires_grad``, all of one device
     and dtype); :attr:`views` are its slices shaped like each parameter."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor], *, accumulate_in_place: bool = False) -> None:
         self.parameters = [p for p in dict.fromkeys(parameters) if p.requires_grad]
+        self.accumulate_in_place = accumulate_in_place
         kinds = {(p.device, p.dtype) for p in self.parameters}
         if len(kinds) > 1:
             raise ValueError(f"FlatGradients needs the parameters on one device in one dtype, "
@@ -52,9 +58,22 @@ class FlatGradients:
         self.views = views_into(self.flat, self.parameters)
         self._present = [False] * len(self.parameters)
 
+    def attach(self) -> None:
+        """With ``accumulate_in_place``: zero the buffer and make each ``.grad`` its view, so the step's
+        backward passes accumulate into it (call before the step's first backward); otherwise nothing."""
+        if not self.accumulate_in_place:
+            return
+        self.flat.zero_()
+        for parameter, view in zip(self.parameters, self.views):
+            parameter.grad = view
+
     def gather(self) -> None:
         """Copy the gradients into the buffer and point each ``.grad`` at its view; parameters without a
         gradient keep None and a zero slice. Call once per optimizer step, after the last backward."""
+        if self.accumulate_in_place:  # frozen during the step (--stop_text_encoder_training): no gradient
+            for parameter in self.parameters:
+                if not parameter.requires_grad:
+                    parameter.grad = None  # its slice stays the zero attach() wrote
         grads = [parameter.grad for parameter in self.parameters]
         self._present = [grad is not None for grad in grads]
         if not all(self._present):

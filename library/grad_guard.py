@@ -704,6 +704,8 @@ CPU_CHUNK_NUMEL = 1 << 18
 
 CPU_NORM_ROW = 4096
 """Values per row of the CPU norm (see :class:`GradientMonitor`)."""
+CPU_NORM_BLOCK_ROWS = 4096
+"""Rows per block of the CPU norm: at most 64 MiB of a low-precision buffer upcast at once."""
 
 
 def _flat_norm(flat: torch.Tensor) -> torch.Tensor:
@@ -711,7 +713,10 @@ def _flat_norm(flat: torch.Tensor) -> torch.Tensor:
     if flat.device.type != "cpu" or flat.numel() <= CPU_NORM_ROW:
         return torch.linalg.vector_norm(flat, dtype=torch.float32)
     whole = flat.numel() - flat.numel() % CPU_NORM_ROW
-    parts = [torch.linalg.vector_norm(flat[:whole].view(-1, CPU_NORM_ROW), dim=1, dtype=torch.float32)]
+    # Blocks of rows: a bf16/fp16 buffer is upcast one block at a time, never whole (a full model's
+    # gradients: a float32 copy of a full-size SDXL UNet's would be 9.6 GiB). Each row's norm is the same.
+    rows = flat[:whole].view(-1, CPU_NORM_ROW)
+    parts = [torch.linalg.vector_norm(block, dim=1, dtype=torch.float32) for block in rows.split(CPU_NORM_BLOCK_ROWS)]
     if whole < flat.numel():
         parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1))
     return torch.linalg.vector_norm(torch.cat(parts))

@@ -43,6 +43,28 @@ _VAE_TOP_LEVEL = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 StoredAs = Callable[[str, torch.nn.Module, str], Optional[Callable[[torch.Tensor], torch.Tensor]]]
 
 
+def stored_in_dtypes(dtypes: Mapping[str, torch.dtype], first: StoredAs | None = None) -> StoredAs | None:
+    """A ``stored_as`` that reads every floating parameter of the components named in ``dtypes`` straight
+    into that dtype (a full fine-tune's models in their training dtype: a full-size SDXL UNet with
+    ``--full_bf16`` never exists in float32, 10 GiB). ``first`` (e.g. ``fp8_base.stored_as_rule``) wins
+    where it names a conversion. The values equal a float32 load cast afterwards (an fp16 or bf16
+    file's values are exact in float32, so the one rounding is the same)."""
+    casts = {component: dtype for component, dtype in dtypes.items() if dtype != torch.float32}
+    if not casts:
+        return first
+
+    def rule(component: str, module: torch.nn.Module, attribute: str
+             ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        convert = first(component, module, attribute) if first is not None else None
+        if convert is not None or component not in casts:
+            return convert
+        dtype = casts[component]
+        # copy: the loader's value may be a transient buffer or a view of the file
+        return lambda value: value.to(dtype, copy=True) if value.is_floating_point() else value.clone()
+
+    return rule
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the model-loading options (kohya names)."""
     group = parser.add_argument_group("model")

@@ -66,6 +66,39 @@ def test_optimizer_steps_are_those_of_separate_gradients_with_none_kept():
     assert all(torch.equal(a, b) for a, b in zip(flat_weights, plain_weights))
 
 
+def test_gradients_accumulated_in_place_are_the_separate_ones_with_no_second_copy():
+    """A whole model's mode (``accumulate_in_place``): each step's backward passes (two micro-batches)
+    add into the zeroed buffer itself, so the gradients exist once; every parameter the loss reaches
+    gets the same values and updates as separate gradients, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    def run(in_place: bool) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for parameter, value in zip(model.parameters(), reference):
+                parameter.copy_(value)
+        parameters = list(model.parameters())
+        optimizer = torch.optim.AdamW(parameters, lr=0.1, weight_decay=0.1)
+        gradients = FlatGradients(parameters, accumulate_in_place=in_place)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            gradients.attach()
+            for _ in range(2):
+                model(torch.randn(4, 6, generator=generator)).square().mean().backward()
+            if in_place:  # autograd added into the buffer: no gradient tensor of its own
+                storage = gradients.flat.untyped_storage().data_ptr()
+                assert all(p.grad.untyped_storage().data_ptr() == storage for p in parameters)
+            gradients.gather()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in parameters]
+
+    in_place, separate = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, separate))
+    assert not all(torch.equal(a, b) for a, b in zip(in_place, reference))  # it trained
+
+
 def test_the_monitor_reads_the_buffer_with_one_norm():
     torch.manual_seed(1)
     model = Branches()

@@ -52,6 +52,23 @@ def test_single_file_equals_diffusers_folder(tiny_models, folder_models, name):
     assert [t(probe).input_ids for t in from_file.tokenizers] == [t(probe).input_ids for t in from_folder.tokenizers]
 
 
+@pytest.mark.parametrize("source", ["sdxl_file", "sdxl"])
+def test_stored_in_dtypes_reads_components_straight_into_their_dtype(tiny_models, source):
+    """A full fine-tune's load (``stored_in_dtypes``): the named components' floating tensors come out in
+    their dtype, equal to a float32 load cast afterwards (one rounding either way); the others float32."""
+    config = {"model_config_dir": tiny_models["sdxl_config"]} if source.endswith("_file") else {}
+    dtypes = {"unet": torch.bfloat16, "text_encoder_2": torch.float16, "vae": torch.float32}
+    plain = tensors_of(ml.load_models(tiny_models[source], sdxl=True, **config))
+    stored = tensors_of(ml.load_models(tiny_models[source], sdxl=True, stored_as=ml.stored_in_dtypes(dtypes),
+                                       **config))
+    assert plain.keys() == stored.keys()
+    for name, tensor in stored.items():
+        dtype = dtypes.get(name.partition(".")[0], torch.float32) if tensor.is_floating_point() else plain[name].dtype
+        assert tensor.dtype == dtype, name
+        assert torch.equal(tensor, plain[name].to(dtype)), name
+    assert ml.stored_in_dtypes({"unet": torch.float32}) is None  # nothing to convert: the plain load
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_diffusers_reads_our_single_file(tiny_models, folder_models, name):
     """diffusers' own converter reads our file to the same weights: the writer uses the real layout."""

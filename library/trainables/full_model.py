@@ -125,6 +125,8 @@ class FullModelTrainable(Trainable):
 
     kind = "model"
     writes_models = True
+    # the core's flat gradient buffer is the only copy of the gradients (flat_gradients.FlatGradients)
+    accumulates_gradients_in_place = True
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -157,6 +159,15 @@ class FullModelTrainable(Trainable):
     def parts(self) -> tuple[bool, bool]:
         parts = self.config.parts
         return parts.trains_unet, any(lr is not None for lr in parts.text_encoder_lrs)
+
+    def load_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each component is read into (``model_loading.stored_in_dtypes``): the one it trains
+        or is kept in (``full_training_params.model_dtypes``), never wider than where it is placed, so
+        the float32 copy of a full-size model never exists (kohya loads in the same dtypes)."""
+        dtypes = self.config.dtypes
+        names = ["text_encoder" if index == 0 else f"text_encoder_{index + 1}"
+                 for index in range(len(dtypes.text_encoders))]
+        return {"unet": dtypes.unet, "vae": dtypes.vae, **dict(zip(names, dtypes.text_encoders))}
 
     def trained_models(self) -> list[torch.nn.Module]:
         """The models this trainable places itself (the core leaves their dtype alone: a float32 master

@@ -187,8 +187,10 @@ def build_optimization(args: argparse.Namespace, accelerator: Accelerator, train
     if fused.groups:  # kohya's split; one optimizer holds the groups, each stepped alone (GroupStep)
         param_groups = fused_backward.split_into_groups(param_groups, fused.groups)
     trainable_params = [p for group in param_groups for p in group["params"]]
-    # each step's .grad views of one buffer; a fused backward never holds every gradient at once
-    gradients = None if fused.enabled else flat_gradients.FlatGradients(trainable_params)
+    # each step's .grad views of one buffer (a whole model's accumulate into it: one copy of its gradients);
+    # a fused backward never holds every gradient at once
+    gradients = None if fused.enabled else flat_gradients.FlatGradients(
+        trainable_params, accumulate_in_place=getattr(trainable, "accumulates_gradients_in_place", False))
     optimizer_name, optimizer_args, optimizer = optimizers.build_optimizer(args, param_groups)
     lora_files.apply_epoch_ratio(args, data.num_epochs)
     lr_scheduler = optimizers.build_lr_scheduler(args, optimizer, args.max_train_steps)

@@ -7,7 +7,7 @@ in files, and the options only it has.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -25,7 +25,10 @@ class StableDiffusionFamily:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Options only this family has (none: SD 1.x/2.x's live with the shared ones, as in kohya)."""
 
-    def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
+    def load_models(self, args: argparse.Namespace,
+                    load_dtypes: Optional[Mapping[str, torch.dtype]] = None) -> StableDiffusionModels:
+        """The models from ``--pretrained_model_name_or_path``; float32, or per component as
+        ``load_dtypes`` says (``model_loading.stored_in_dtypes``)."""
         return model_loading.load_models(
             args.pretrained_model_name_or_path,
             sdxl=self.is_sdxl,
@@ -34,7 +37,7 @@ class StableDiffusionFamily:
             tokenizer_cache_dir=args.tokenizer_cache_dir,
             vae_path=args.vae,
             device=model_loading.load_device(args),
-            stored_as=fp8_base.stored_as_rule(args),
+            stored_as=model_loading.stored_in_dtypes(load_dtypes or {}, fp8_base.stored_as_rule(args)),
         )
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:

@@ -48,7 +48,8 @@ class Trainer:
 
     # -- model hooks (the family's) ---------------------------------------------------------------
     def load_models(self, args: argparse.Namespace) -> StableDiffusionModels:
-        return self.family.load_models(args)
+        # a trainable that places whole models in a training dtype has them read in it (optional hook)
+        return self.family.load_models(args, getattr(self.trainable, "load_dtypes", dict)())
 
     def unet_module_names(self, models: StableDiffusionModels) -> Optional[dict[str, str]]:
         return self.family.unet_module_names(models)
@@ -110,6 +111,8 @@ class Trainer:
         samples = healing.WindowSamples(accelerator.process_index, accelerator.num_processes,
                                         run.config.gradient_accumulation_steps, run.data.dataset.max_batch_size)
         gradient_step = optimization.gradient_step  # unfused, or the update applied during backward
+        if optimization.gradients is not None:  # a whole model's gradients accumulate into the flat buffer
+            optimization.gradients.attach()
         window_loss = self.backward_window(run.loss, window.batches, window.epoch, accelerator, optimization.scaler,
                                            samples, backward=gradient_step.backward)
         measured = gradient_step.measure(optimization, step, window_loss, samples.reduced)
