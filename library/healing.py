@@ -556,7 +556,8 @@ class HealingPolicy:
         if self.rewinds:
             line += f" (learning rate now {describe_rates(learning_rates)}, x{self.lr_scale:g})"
         if average_over:
-            line += f"; final average loss {average_loss:.4g} over the last {average_over} steps"
+            shown = f"{average_loss:.4f}" if abs(average_loss) >= 0.01 else f"{average_loss:.4g}"  # LECO's: ~1e-6
+            line += f"; final average loss {shown} over the last {average_over} steps"
         else:
             line += "; no finite loss to average"
         return line
