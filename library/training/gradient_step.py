@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 class UnfusedStep:
     """Gradients held in ``.grad`` (the flat buffer's views) from the backward to the optimizer step."""
 
-    fused = False
-
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
 
@@ -60,8 +58,6 @@ class UnfusedStep:
 class FusedStep:
     """The update applied during a second backward over the window's graph (``FusedBackward``): no full
     gradient is held. One micro-batch per step (``--gradient_accumulation_steps 1``, checked before)."""
-
-    fused = True
 
     def __init__(self, fused: FusedBackward) -> None:
         self.fused_backward = fused
