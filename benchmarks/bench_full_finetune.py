@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Runs the trainer script as __main__ after hooking the LR scheduler's step: one mark per optimizer step
-# (the constructor's own first step() is the first mark). Works in either venv (torch only).
+# (the constructor's own first step() is the first mark), with the scheduler's id. Either venv (torch only).
 WRAPPER = r"""
 import json, os, runpy, sys, time
 import torch
@@ -53,7 +53,7 @@ original_step = torch.optim.lr_scheduler.LRScheduler.step
 
 def step(self, *args, **kwargs):
     with open(marks_path, "a") as file:
-        file.write(json.dumps([time.time(), time.process_time()]) + "\n")
+        file.write(json.dumps([time.time(), time.process_time(), id(self)]) + "\n")
     return original_step(self, *args, **kwargs)
 
 torch.optim.lr_scheduler.LRScheduler.step = step
@@ -117,6 +117,8 @@ def run_one(name: str, python: str, script: Path, argv: list[str], steps: int, p
             sys.exit(f"{name} failed with exit code {process.returncode}; log: {log_path}\n"
                      + log_path.read_text()[-3000:])
         marks = [json.loads(line) for line in marks_path.read_text().splitlines()]
+    # The training schedule is the one that stepped last (a trainer may build and drop a probe one first).
+    marks = [mark for mark in marks if mark[2] == marks[-1][2]]
     # marks[0]: the scheduler's construction; marks[i]: after optimizer step i.
     if len(marks) != steps + 1:
         sys.exit(f"{name}: {len(marks)} scheduler marks for {steps} steps; log: {log_path}")
