@@ -239,10 +239,10 @@ def train_recorded(argv: list[str]) -> tuple[Recorder, str]:
     recorder = Recorder()
     original = sampling.sample_images
 
-    def sample_images(args, accelerator, models, network, device, *, when, step, epoch=None):
+    def sample_images(args, accelerator, models, network, device, *, when, step, epoch=None, **options):
         if sampling.is_sample_point(args, when, step, epoch):
             recorder.sampled[step] = held_weights(network)
-        return original(args, accelerator, models, network, device, when=when, step=step, epoch=epoch)
+        return original(args, accelerator, models, network, device, when=when, step=step, epoch=epoch, **options)
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -20,7 +20,6 @@ import torch
 from accelerate import Accelerator
 
 from library.model_loading import StableDiffusionModels
-from library.training import diffusion_loss
 
 
 class Trainable(abc.ABC):
@@ -94,10 +93,10 @@ class Trainable(abc.ABC):
     def compute_loss(self, hooks: Any, run: Any, batch: dict[str, Any], epoch: int, plan: Any,
                      timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None) -> Any:
         """A micro-batch's ``losses.WeightedLoss`` (``hooks``: the trainer's model hooks, ``run``: the
-        ``LossContext``). The default is the diffusion loss of an image batch
-        (``library.training.diffusion_loss.compute_loss``); a trainable with its own batches
-        (``training_data``) computes its own target here."""
-        return diffusion_loss.compute_loss(hooks, run, batch, epoch, plan, timesteps, seed)
+        ``LossContext``) for a trainable with its own batches (``training_data``), which computes its own
+        target here. None (the default): the core's diffusion loss of an image batch
+        (``library.training.diffusion_loss.compute_loss``)."""
+        return None
 
     def start(self, args: argparse.Namespace, is_main_process: bool) -> None:
         """Ready its per-run monitors once every option (the step count) is final."""

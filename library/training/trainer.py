@@ -184,7 +184,8 @@ class Trainer:
 
     def compute_loss(self, run: LossContext, batch: dict[str, Any], epoch: int, plan: losses.BatchWeights,
                      timesteps: Optional[torch.Tensor] = None, seed: Optional[int] = None) -> losses.WeightedLoss:
-        return self.trainable.compute_loss(self, run, batch, epoch, plan, timesteps, seed)  # default: diffusion_loss
+        own = self.trainable.compute_loss(self, run, batch, epoch, plan, timesteps, seed)  # e.g. LECO's target
+        return own if own is not None else diffusion_loss.compute_loss(self, run, batch, epoch, plan, timesteps, seed)
 
     def validation_loss(self, run: LossContext, batch: dict[str, Any], timesteps: torch.Tensor, epoch: int,
                         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
