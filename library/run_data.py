@@ -96,14 +96,11 @@ class TrainingData:
                     break
 
     def next_epoch(self, progress: Progress) -> None:
-        progress.epoch += 1
-        progress.batches_done = 0
-        progress.epoch_first_step = None
+        progress.start_next_epoch()
 
     def batches_since(self, position: tuple[int, int], progress: Progress) -> int:
         """Batches this process trained from ``position`` (epoch, batches done) to where ``progress`` is."""
-        epoch, batches_done = position
-        return (progress.epoch - epoch) * len(self.loader) + progress.batches_done - batches_done
+        return progress.batches_since(position, len(self.loader))
 
     def _without_quarantined(self, batch: dict[str, Any]) -> Optional[dict[str, Any]]:
         if not self.quarantined:

@@ -156,6 +156,17 @@ class Progress:
             self.non_finite_losses += 1
         return float(np.mean(self.loss_history)) if self.loss_history else math.nan
 
+    def start_next_epoch(self) -> None:
+        """The epoch is done: the next batch is the first of the next epoch."""
+        self.epoch += 1
+        self.batches_done = 0
+        self.epoch_first_step = None
+
+    def batches_since(self, position: tuple[int, int], batches_per_epoch: int) -> int:
+        """Batches trained from ``position`` (epoch, batches done) to here, ``batches_per_epoch`` to an epoch."""
+        epoch, batches_done = position
+        return (self.epoch - epoch) * batches_per_epoch + self.batches_done - batches_done
+
 
 def untrained_parts(args: argparse.Namespace) -> list[str]:
     """The LoRA parts whose learning rate is 0 (``--unet_lr``/``--text_encoder_lr``, else ``--learning_rate``):

@@ -187,13 +187,10 @@ class PromptPairData:
                     break
 
     def next_epoch(self, progress: train_state.Progress) -> None:
-        progress.epoch += 1
-        progress.batches_done = 0
-        progress.epoch_first_step = None
+        progress.start_next_epoch()
 
     def batches_since(self, position: tuple[int, int], progress: train_state.Progress) -> int:
-        epoch, batches_done = position
-        return (progress.epoch - epoch) * len(self) + progress.batches_done - batches_done
+        return progress.batches_since(position, len(self))
 
     def batch(self, epoch: int, position: int) -> Optional[dict[str, Any]]:
         """The micro-batch at ``position`` of ``epoch``: a pair left in (None when every pair is
