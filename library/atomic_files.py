@@ -91,25 +91,30 @@ def writing_file(path: str | os.PathLike, needed_bytes: int) -> Iterator[Path]:
     temporary = temporary_path(path)
     with no_space_is_disk_full(path, needed_bytes), _removed_on_error(temporary):
         yield temporary
-        size = temporary.stat().st_size
-        if _spend(size) < size:  # the simulated disk (a real one failed inside the block)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temporary))
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
+        _count_and_sync(temporary)
         os.replace(temporary, path)
         fsync_folder(path.parent)
 
 
-def write_folder(path: str | os.PathLike, files: Mapping[str, bytes],
+def write_folder(path: str | os.PathLike, files: Mapping[str, bytes | Callable[[Path], None]],
                  before_rename: Optional[Callable[[Path], None]] = None,
-                 linked: Optional[Mapping[str, Path]] = None) -> None:
-    """Replace the folder ``path`` by one holding ``files`` (name -> bytes), atomically and durably
-    (see :func:`writing_folder`). ``linked`` (name -> an existing file): files that join the folder as
-    hard links (:func:`link_or_copy`). ``before_rename(temporary)`` runs when the temporary folder is complete
-    (kill tests die there). ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room.
+                 linked: Optional[Mapping[str, Path]] = None, needed_bytes: Optional[int] = None) -> None:
+    """Replace the folder ``path`` by one holding ``files`` (name -> bytes, or a writer called with the
+    file's path in the temporary folder, for contents too large to hold in memory twice: a full model's
+    state), written in order, atomically and durably (see :func:`writing_folder`). ``linked`` (name -> an
+    existing file): files that join the folder as hard links (:func:`link_or_copy`), after the others.
+    ``before_rename(temporary)`` runs when the temporary folder is complete (kill tests die there).
+    ``DiskFull`` (no temporary left, an existing folder kept) when the disk has no room; ``needed_bytes``
+    is what its message says the folder needs (default: the bytes given).
     """
-    with _writing_folder(path, sum(len(data) for data in files.values()), files_synced=True) as temporary:
+    if needed_bytes is None:
+        needed_bytes = sum(len(data) for data in files.values() if not callable(data))
+    with _writing_folder(path, needed_bytes, files_synced=True) as temporary:
         for name, data in files.items():
+            if callable(data):
+                data(temporary / name)
+                _count_and_sync(temporary / name)
+                continue
             with open(temporary / name, "wb", buffering=0) as file:
                 _write_durably(file, data)
         for name, source in (linked or {}).items():
@@ -192,14 +197,19 @@ def _sync_tree(folder: Path, files: bool) -> None:
     for root, _, names in os.walk(folder):
         folders.append(Path(root))
         for name in names if files else ():
-            file_path = Path(root) / name
-            size = file_path.stat().st_size
-            if _spend(size) < size:  # the simulated disk (a real one failed while the block wrote)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file_path))
-            with open(file_path, "rb+") as file:
-                os.fsync(file.fileno())
+            _count_and_sync(Path(root) / name)
     for each in reversed(folders):
         fsync_folder(each)
+
+
+def _count_and_sync(file_path: Path) -> None:
+    """fsync a file that another writer filled, after counting it against the simulated disk (a real
+    disk without room failed in that writer already)."""
+    size = file_path.stat().st_size
+    if _spend(size) < size:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file_path))
+    with open(file_path, "rb+") as file:
+        os.fsync(file.fileno())
 
 
 def append_to_file(path: str | os.PathLike, data: bytes | str) -> None:

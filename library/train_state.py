@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import io
 import json
 import math
@@ -29,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
 from library import atomic_files, healthy_point, kohya_state, optimizers
 from library.config_file import key_value_items
@@ -203,6 +202,9 @@ def protected_arguments(args: argparse.Namespace, num_processes: int) -> dict[st
         "resolution": args.resolution,
         "seed": args.seed,
         "optimizer_type": args.optimizer_type,
+        # the parameters' split into groups stepped alone: the optimizer state's layout (full fine-tuners only)
+        "fused_optimizer_groups": None if getattr(args, "fused_backward_pass", False)
+        else getattr(args, "fused_optimizer_groups", None) or None,
         "world_size": num_processes,
         # what shapes the EMA of the weights (None without one, as in states written before it existed)
         "ema": EmaConfig.from_args(args).averaging(),
@@ -330,24 +332,29 @@ class StateStore:
             keeps = f"{newest} stays the newest state (--resume auto resumes it)" if newest else "no state is kept"
             print(f"\nnot saving state {name}: {refusal}; {keeps}", flush=True)
             return None
-        files = {
-            "components.pt": _torch_bytes(components),
-            "lora.safetensors": save({key: value.detach().cpu().contiguous() for key, value in lora.items()}),
+        linked = linked or {}
+        trained = {key: value.detach().cpu().contiguous() for key, value in lora.items()}
+
+        def write_manifest(path: Path) -> None:
+            # the files above are in the temporary folder already: their checksums are read back from it
+            checksums = {file_name: file_sha256(path.with_name(file_name)) for file_name in written}
+            checksums.update({file_name: checksum for file_name, (_, checksum) in linked.items()})
+            manifest = {"format_version": FORMAT_VERSION, "global_step": progress.global_step,
+                        "arguments": self.protected, "files": checksums}
+            path.write_text(json.dumps(manifest, indent=1))
+
+        # the trained weights and the optimizer state are streamed to their files (a full model's state
+        # does not fit in memory a second time as bytes)
+        written = {
+            "components.pt": lambda path: torch.save(components, path),
+            "lora.safetensors": lambda path: save_file(trained, str(path)),
             "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
             "rng.pt": _torch_bytes(rng_state()),
         }
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "global_step": progress.global_step,
-            "arguments": self.protected,
-            "files": {file_name: hashlib.sha256(data).hexdigest() for file_name, data in files.items()},
-        }
-        linked = linked or {}
-        manifest["files"].update({file_name: checksum for file_name, (_, checksum) in linked.items()})
-        files[MANIFEST] = json.dumps(manifest, indent=1).encode("utf-8")
         final = self.output_dir / name
-        atomic_files.write_folder(final, files, before_rename=self._before_rename,
-                                  linked={file_name: source for file_name, (source, _) in linked.items()})
+        atomic_files.write_folder(final, {**written, MANIFEST: write_manifest}, before_rename=self._before_rename,
+                                  linked={file_name: source for file_name, (source, _) in linked.items()},
+                                  needed_bytes=healthy_point.tensor_bytes((trained, components)))
         atomic_files.write_file(self.tracker, json.dumps({"state": name, "global_step": progress.global_step}))
         return final
 

@@ -45,6 +45,20 @@ def test_a_folder_is_replaced_whole_and_a_full_disk_keeps_the_old_one(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["run-state"] and (target / "a.bin").read_bytes() == b"3" * 10
 
 
+def test_a_folder_file_may_come_from_a_writer_and_a_full_disk_there_keeps_the_old_folder(tmp_path, small_disk):
+    """A writer fills its file itself (a full model's state streamed by torch.save): written in order after the
+    files before it, counted against the disk like them."""
+    target = tmp_path / "run-state"
+    atomic_files.write_folder(target, {"a.bin": b"1" * 10, "sizes.txt": lambda path: path.write_text(
+        str(sorted(entry.stat().st_size for entry in path.parent.iterdir())))})
+    assert (target / "sizes.txt").read_text() == "[10]"  # a.bin was complete when the writer ran
+    with pytest.raises(DiskFull) as full:
+        atomic_files.write_folder(target, {"a.bin": b"2" * 10, "big.bin": lambda path: path.write_bytes(b"3" * 95)},
+                                  needed_bytes=105)
+    assert "writing it needs 105 bytes" in str(full.value)
+    assert sorted(os.listdir(tmp_path)) == ["run-state"] and (target / "a.bin").read_bytes() == b"1" * 10
+
+
 def test_a_file_written_by_name_fails_on_a_full_disk_and_keeps_the_old_one(tmp_path, small_disk):
     """Writers that take a file name (safetensors' save_file) go through ``writing_file``: the simulated
     disk fails them too, before the rename."""

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer
+from conftest import model_args, run_trainer, train_expecting_user_error
 from safetensors.torch import load_file
 from test_training_core import run_script
+
+from library.train_state import Progress, StateStore, protected_arguments
 
 STEPS = ("--max_train_steps", "3")
 # The guard's threshold before its window fills is FACTOR x the median of the norms so far, the current one
@@ -99,3 +101,23 @@ def test_fused_killed_then_resumed_gives_the_uninterrupted_bytes(tiny_models, da
     assert "resumed at step 2 " in resumed.stdout
     for name in ("ft.safetensors", "gradient_logs+ft.txt"):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_a_state_resumes_only_with_the_fused_optimizer_groups_it_was_written_with(tiny_models, dataset, tmp_path,
+                                                                                  capsys):
+    """The groups are the optimizer state's layout: another split (or none) is refused in one line before the model
+    loads; ``--fused_backward_pass`` (per parameter, kohya's) ignores the groups."""
+    import sdxl_train
+
+    argv = model_args(tiny_models, "sdxl") + [
+        "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64", "--seed", "1",
+        "--output_dir", str(tmp_path), "--output_name", "ft", "--optimizer_type", "AdamW", *STEPS]
+    written = sdxl_train.setup_parser().parse_args(argv + ["--fused_optimizer_groups", "3"])
+    state = StateStore(str(tmp_path), "ft", protected_arguments(written, 1)).save(
+        "ft-state", Progress(global_step=1), {"unet.conv_in.weight": torch.ones(2)}, {})
+    for groups, shown in ((["--fused_optimizer_groups", "2"], "2"), ([], "None")):
+        message = train_expecting_user_error(argv + ["--resume", str(state), *groups], capsys, script="sdxl_train")
+        assert message == (f"error: --resume {state}: the state was written with fused_optimizer_groups=3, this run "
+                           f"has fused_optimizer_groups={shown}; resume with the same settings"), message
+    per_parameter = sdxl_train.setup_parser().parse_args(argv + ["--fused_backward_pass", "--fused_optimizer_groups", "2"])
+    assert protected_arguments(per_parameter, 1)["fused_optimizer_groups"] is None
