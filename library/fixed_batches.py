@@ -31,16 +31,17 @@ class FixedBatches:
     from ``source`` at every pass as they are (nothing kept)."""
 
     def __init__(self, source: Iterable[Batch], encode: Optional[Callable[[Batch], Batch]]) -> None:
-        self.source = source
+        self._source: Optional[Iterable[Batch]] = source
         self.encode = encode
         self._encoded: Optional[list[Batch]] = None
 
     def batches(self) -> Iterable[Batch]:
         """The batches to score (encoded at the first call when ``encode`` is given)."""
         if self.encode is None:
-            return self.source
+            return self._source
         if self._encoded is None:
-            self._encoded = [self.encode(batch) for batch in self.source]
+            self._encoded = [self.encode(batch) for batch in self._source]
+            self._source = None  # its images are not kept
         return self._encoded
 
     def __iter__(self) -> Iterator[Batch]:
