@@ -60,9 +60,9 @@ def check_step(max_train_steps: int) -> int:
 def is_check(step: int, first: int) -> bool:
     """Whether ``step`` is a check step, the first being ``first`` (``check_step``): its multiples, or, once
     ``first`` is the cap (runs of 200+ steps), every ``LATER_CHECK_EVERY`` steps after it: a check costs
-    about 2 training steps without a validation split (the probe's 4 no-grad forwards, 2/3 of it); one
-    per 50 steps was 3.6% of a step on the tiny SDXL (benchmarks/bench_know_your_lora.py), over the 3%
-    target."""
+    about 1.5 training steps without a validation split (the probe's 4 no-grad UNet forwards; its batch is
+    encoded once); one per 50 steps is 3.1% of a step on the tiny SDXL (benchmarks/bench_know_your_lora.py,
+    docs/know_your_lora.md), over the 3% target."""
     every = LATER_CHECK_EVERY if first == CHECK_STEP_CAP else first
     return step == first or step % every == 0
 
