@@ -15,7 +15,7 @@ import torch
 
 from library.errors import UserError
 from library.leco_prompts import PromptPair, leco_target, load_prompt_pairs
-from tests.conftest import REPO, SCRIPT_ENV, model_args, run_script_as_main
+from conftest import REPO, SCRIPT_ENV, model_args, run_script_as_main
 
 SLIDER_TOML = """
 neutral = "photo"
