@@ -133,4 +133,7 @@ class CompiledForTraining(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            module = self.__dict__.get("_modules", {}).get("module")  # none while being copied or unpickled
+            if module is None:
+                raise
+            return getattr(module, name)
