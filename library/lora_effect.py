@@ -36,7 +36,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -60,9 +60,9 @@ def check_step(max_train_steps: int) -> int:
 def is_check(step: int, first: int) -> bool:
     """Whether ``step`` is a check step, the first being ``first`` (``check_step``): its multiples, or, once
     ``first`` is the cap (runs of 200+ steps), every ``LATER_CHECK_EVERY`` steps after it: a check costs
-    about 2 training steps without a validation split (the probe's 4 no-grad forwards, 2/3 of it); one
-    per 50 steps was 3.6% of a step on the tiny SDXL (benchmarks/bench_know_your_lora.py), over the 3%
-    target."""
+    about 1.5 training steps without a validation split (the probe's 4 no-grad UNet forwards; its batch is
+    encoded once); one per 50 steps is 3.1% of a step on the tiny SDXL (benchmarks/bench_know_your_lora.py,
+    docs/know_your_lora.md), over the 3% target."""
     every = LATER_CHECK_EVERY if first == CHECK_STEP_CAP else first
     return step == first or step % every == 0
 
@@ -297,9 +297,10 @@ class TrainingProbe:
     """Without a validation split, what the monitor measures the effect on: the first ``PROBE_BATCHES``
     training batches of epoch 1 (the same on a resumed run), at kohya's fixed validation timesteps with
     validation's keyed noise (``library/validation.py``): like a validation pass, it moves only with the
-    weights and draws from no training random stream."""
+    weights and draws from no training random stream. The batches are encoded once, at the first check
+    (``library/fixed_batches.py``)."""
 
-    batches: list[dict[str, Any]]
+    batches: Iterable[dict[str, Any]]  # encoded once (library/fixed_batches.py)
     timesteps: list[int]
     seed: int
     unet: torch.nn.Module
@@ -321,7 +322,7 @@ def training_probe(trainer: Any, run: Any) -> TrainingProbe:
 
     saved = train_state.rng_state()
     try:
-        batches = lr_finder.probe_batches(run, PROBE_BATCHES)
+        batches = trainer.fixed_batches(run.loss, lr_finder.probe_batches(run, PROBE_BATCHES))
     finally:
         train_state.set_rng_state(saved)
     args = run.args

@@ -6,7 +6,9 @@ from ``--find_lr_min`` to ``--find_lr_max`` (each optimizer group keeps its rati
 rate: --unet_lr/--text_encoder_lr, LoRA+). After every step the *probe loss* is measured: the loss
 on those batches at kohya's fixed validation timesteps with keyed noise (the same inputs every
 time), so it moves only with the weights, not with the random timesteps that make the training
-loss unreadable. The base model's probe loss is the multiplier-0 value.
+loss unreadable. The base model's probe loss is the multiplier-0 value. The batches are encoded once
+(their VAE latents, and the text conditioning unless a text encoder LoRA is in it: ``library/fixed_batches.py``)
+and trained on and measured as such, with the same bits as encoding them at every use.
 
 It stops at a non-finite loss or when the probe loss is clearly worse than the base model's
 (``UNSTABLE_RATIO``: 5% above). It reports a **window**: the lowest rate with a measurable effect
@@ -30,7 +32,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -174,7 +176,7 @@ def probe_batches(run: Any, count: int = PROBE_BATCHES) -> list[dict[str, Any]]:
     return [send_to_device(dataset[index], run.device) for index in range(min(count, len(dataset)))]
 
 
-def probe_loss(trainer: Any, run: Any, batches: list[dict[str, Any]], timesteps: list[int]) -> float:
+def probe_loss(trainer: Any, run: Any, batches: Iterable[dict[str, Any]], timesteps: list[int]) -> float:
     """Mean loss over the probe batches at the fixed timesteps (keyed noise), no gradient, adapters in eval."""
     return validation.pass_losses(batches, run.network, functools.partial(trainer.validation_loss, run.loss),
                                   timesteps, run.args.seed, run.accelerator)[0]
@@ -205,7 +207,7 @@ def train_step(trainer: Any, run: Any, batch: dict[str, Any], epoch: int) -> flo
 def ramp(trainer: Any, run: Any) -> tuple[list[FinderRow], float]:
     """The ramp's rows and the base model's probe loss."""
     args, optimizer = run.args, run.optimization.optimizer
-    batches = probe_batches(run)
+    batches = trainer.fixed_batches(run.loss, probe_batches(run))  # encoded once, trained on and probed as they are
     timesteps = validation.fixed_timesteps(args.min_timestep, args.max_timestep,
                                            run.loss.noise_scheduler.config.num_train_timesteps)
     multiplier = run.network.multiplier

@@ -20,7 +20,11 @@ kohya (its Accelerator is always given the script's backend, ``NO`` without
 
 The models are compiled lazily: the first training step pays the compile time (minutes on a
 CPU, where inductor builds C++ kernels with the system compiler; cached across runs in
-``TORCHINDUCTOR_CACHE_DIR``).
+``TORCHINDUCTOR_CACHE_DIR``). Only the training calls (gradients on) run the compiled graph: one
+graph, compiled once. Calls without gradients (validation, the effect monitor's probe, the NaN
+report's probe) run the uncompiled module: TorchDynamo guards the grad mode, the adapters' eval mode
+and multiplier, so compiled they would be new graphs, each a compile as long as the training's for a
+few forward passes (measured on the tiny SDXL: the effect monitor's first probe recompiled the UNet).
 """
 from __future__ import annotations
 
@@ -100,12 +104,36 @@ def compiled_for_training(args: argparse.Namespace, models, train_unet: bool, tr
     compiled = []
     replacements = {}
     if train_unet:
-        replacements["unet"] = torch.compile(models.unet, **options)
+        replacements["unet"] = CompiledForTraining(models.unet, options)
         compiled.append("UNet")
     if train_text_encoder:
-        replacements["text_encoders"] = [torch.compile(encoder, **options) for encoder in models.text_encoders]
+        replacements["text_encoders"] = [CompiledForTraining(encoder, options) for encoder in models.text_encoders]
         compiled.append("text encoders")
     settings = ", ".join(f"{key} {value}" for key, value in options.items())
     announce(f"--torch_compile: {' and '.join(compiled)} compiled ({settings}) at the first step; "
              f"sample images use the uncompiled models")
     return dataclasses.replace(models, **replacements)
+
+
+class CompiledForTraining(torch.nn.Module):
+    """``module`` whose calls with gradients on (the training steps) run ``torch.compile(module,
+    **options)`` and calls without (validation, probes) the module itself (see the module docstring);
+    its attributes (``config``, ``dtype``, ...) are the module's, as ``torch.compile``'s wrapper's are."""
+
+    def __init__(self, module: torch.nn.Module, options: dict) -> None:
+        super().__init__()
+        self.module = module
+        # not registered as a submodule: the module would be registered twice (the compiled wrapper holds it)
+        object.__setattr__(self, "compiled", torch.compile(module, **options))
+
+    def forward(self, *args, **kwargs):
+        return (self.compiled if torch.is_grad_enabled() else self.module)(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")  # none while being copied or unpickled
+            if module is None:
+                raise
+            return getattr(module, name)

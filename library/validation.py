@@ -13,6 +13,10 @@ which no training draw uses. So every pass sees exactly the same inputs (values 
 over time: two passes on the same weights give the same number) and a pass draws from no
 training random stream: a run writes the same LoRA whether or how often it validates.
 
+The validation set is read once, at the first pass, and what the frozen VAE (and text encoders,
+where nothing in them trains) make of it is kept (``library/fixed_batches.py``): later passes run
+the UNet only, with the same bits as reading and encoding the set again.
+
 Differences from kohya, on purpose: kohya re-seeds the global RNGs per pass and draws noise
 in sequence (so the number depends on the batch layout); it also validates after the last,
 possibly partial, epoch, where this trainer validates at completed epochs only.
@@ -83,6 +87,10 @@ def draw_epoch(timestep: int) -> int:
 # loss, a 0-dim tensor, and its weight sum (0: nothing in the batch counts, e.g. fully masked).
 BatchLoss = Callable[[dict[str, Any], torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
 
+# The validation loader -> its batches as the passes read them: read and encoded once (Trainer.fixed_batches,
+# library/fixed_batches.py); without it the loader is read at every pass.
+FixedBatchesOf = Callable[[Iterable[dict[str, Any]]], Iterable[dict[str, Any]]]
+
 
 class Validation:
     """The validation set of a run, its schedule and its passes.
@@ -92,7 +100,8 @@ class Validation:
     """
 
     def __init__(self, args: argparse.Namespace, dataset: TrainDataset, accelerator: Any,
-                 num_train_timesteps: int, num_workers: int) -> None:
+                 num_train_timesteps: int, num_workers: int,
+                 fixed_batches: Optional[FixedBatchesOf] = None) -> None:
         self.args = args
         self.dataset = dataset
         self.accelerator = accelerator
@@ -113,6 +122,7 @@ class Validation:
             # Its own generator: iterating a DataLoader draws a worker seed from the global torch RNG otherwise.
             generator=torch.Generator(),
         )
+        self.batches = fixed_batches(self.loader) if fixed_batches is not None else self.loader
 
     def due_after_step(self, step: int) -> bool:
         every = self.args.validate_every_n_steps
@@ -134,7 +144,7 @@ class Validation:
 
     def losses(self, network: torch.nn.Module, batch_loss: BatchLoss) -> tuple[float, dict[int, float]]:
         """:meth:`loss` and the mean loss at each fixed timestep (``{timestep: value}``) of the same pass."""
-        return pass_losses(self.loader, network, batch_loss, self.timesteps, self.dataset.seed, self.accelerator)
+        return pass_losses(self.batches, network, batch_loss, self.timesteps, self.dataset.seed, self.accelerator)
 
     def run(self, kind: str, network: torch.nn.Module, batch_loss: BatchLoss, average_train_loss: float,
             where: str) -> dict[str, float]:
@@ -183,7 +193,7 @@ def pass_losses(batches: Iterable[dict[str, Any]], network: torch.nn.Module, bat
 
 
 def create(args: argparse.Namespace, dataset: Optional[TrainDataset], accelerator: Any, num_train_timesteps: int,
-           num_workers: int) -> Optional[Validation]:
+           num_workers: int, fixed_batches: Optional[FixedBatchesOf] = None) -> Optional[Validation]:
     """The run's :class:`Validation`, or None without a validation set (saying so when a validation
     schedule flag was given: kohya ignores them silently)."""
     if dataset is None:
@@ -195,4 +205,4 @@ def create(args: argparse.Namespace, dataset: Optional[TrainDataset], accelerato
         return None
     print(f"validation: {dataset.num_train_images} images (with repeats), {len(dataset)} batches, "
           f"timesteps {fixed_timesteps(args.min_timestep, args.max_timestep, num_train_timesteps)}")
-    return Validation(args, dataset, accelerator, num_train_timesteps, num_workers)
+    return Validation(args, dataset, accelerator, num_train_timesteps, num_workers, fixed_batches)

@@ -215,6 +215,37 @@ def run_trainer_output(script: str, argv: list[str], expect: int | None = 0) -> 
     return output
 
 
+def run_script_as_main(argv: list[str], cwd: Path, expect: int | None = 0,
+                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``argv`` (interpreter, script file, arguments) as a launch of it would run: the file as ``__main__`` (its
+    ``exit_on_user_error`` and exit code), ``sys.argv``, working folder ``cwd``, ``env``'s variables, but in this
+    process, without a process start (its imports: ~5-15 s of CPU each). For launches whose process is not what
+    the test is about. Its exit code must be ``expect`` (None: any); stdout and stderr come back separately."""
+    import contextlib
+    import io
+    import runpy
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        patch.setattr(sys, "argv", argv[1:])
+        patch.chdir(cwd)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        try:
+            runpy.run_path(argv[1], run_name="__main__")
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+    result = subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+    if expect is not None:
+        assert code == expect, (result.stdout + result.stderr)[-3000:]
+    return result
+
+
 def train_expecting_user_error(argv: list[str], capsys, script: str = "sdxl_train_network") -> str:
     """Run a training that must stop on a user mistake: exit code 2 and one line on stderr (returned)."""
     from library.errors import exit_on_user_error

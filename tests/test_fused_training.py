@@ -94,11 +94,14 @@ def test_fused_killed_then_resumed_gives_the_uninterrupted_bytes(tiny_models, da
             "--max_train_steps", "4", "--save_model_as", "safetensors", "--save_state", "--save_every_n_steps", "1",
             "--grad_norm_log", "--optimizer_type", "Adafactor", "--mixed_precision", "bf16", "--full_bf16",
             "--fused_backward_pass"]
-    run_script("sdxl_train.py", argv(tmp_path / "whole"))
+    from conftest import run_trainer_output
+
+    # the runs that are not killed need no process of their own
+    run_trainer_output("sdxl_train", argv(tmp_path / "whole"))
     killed = run_script("sdxl_train.py", argv(tmp_path / "killed") + ["--debug_kill_in_state_write", "3"], expect=None)
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_script("sdxl_train.py", argv(tmp_path / "killed") + ["--resume", "auto"])
-    assert "resumed at step 2 " in resumed.stdout
+    resumed = run_trainer_output("sdxl_train", argv(tmp_path / "killed") + ["--resume", "auto"])
+    assert "resumed at step 2 " in resumed
     for name in ("ft.safetensors", "gradient_logs+ft.txt"):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 

@@ -7,7 +7,12 @@ SDXL and SD 1.5, since ``presets/dreambooth`` holds only SD3 presets; model path
 folders, output name, max resolution 128,128 and buckets 64..256 set; Start training clicked): the Finetuning
 tab's preparation commands, the ``accelerate launch ... <script> --config_file <toml>`` command and the TOML,
 machine paths replaced by placeholders. Each is replayed here: the preparation commands as the GUI runs them
-(``subprocess.run`` with its PYTHONPATH), then the training command with ``accelerate launch``.
+(``subprocess.run`` with its PYTHONPATH: each script file as ``__main__`` with the GUI's argv and working folder), then
+the training command through ``accelerate launch``'s own code (its parser and checks, the command and environment its
+simple launcher builds). One launch, ``finetune_adafactor``'s refused one, starts the processes as the GUI does (the
+launcher, then the script: accelerate turns the script's exit code 2 into its own 1); the others run the command the
+launcher built in this process (a process start costs ~5-15 s of CPU for its imports alone; tests/test_finetune_prep.py
+runs the preparation commands as processes).
 
 What differs from the recording, and why: paths; ``max_train_steps`` 2 and ``max_train_epochs`` dropped (kohya
 lets it override the steps; hundreds of epochs would not fit a test); the preset's own ``logging_dir``
@@ -21,6 +26,7 @@ before any model loads. They are replayed as written (refused) and with the GUI'
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -30,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV
+from conftest import REPO, SCRIPT_ENV, run_script_as_main
 from PIL import Image
 from safetensors import safe_open
 
@@ -40,6 +46,8 @@ SIZES = {"img0": (128, 128), "img1": (192, 128), "img2": (128, 192), "img3": (16
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
 STEPS = 2
 BUCKET_STEPS_REFUSED = {"finetune_adafactor", "finetune_lion"}  # bucket_reso_steps = 1.0 (see the docstring)
+LAUNCHED_AS_PROCESSES = "finetune_adafactor"  # the launch that starts processes (see the docstring)
+BUCKET_STEPS_ERROR = "bucket_reso_steps 1 must be a multiple of 64 for this model (kohya's rule)"
 
 
 def fill(text: str, values: dict[str, str]) -> str:
@@ -87,6 +95,36 @@ def run_as_gui(argv: list[str], pythonpath: str, cwd: Path, expect: int = 0) -> 
     return result
 
 
+def launch_in_process(argv: list[str], cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
+    """``accelerate launch ...`` (``argv``) through accelerate's ``launch_command``, with the command (interpreter,
+    script, arguments) and environment its simple launcher builds run in this process (``run_script_as_main``);
+    the script's result. Its exit code must be ``expect``; a non-zero one reaches accelerate as the simple
+    launcher reports it (``CalledProcessError``)."""
+    from accelerate.commands import launch
+    from accelerate.utils import prepare_simple_launcher_cmd_env
+
+    launched = []
+
+    def simple_launcher(args) -> None:
+        command, env = prepare_simple_launcher_cmd_env(args)
+        env["SOURCE_DATE_EPOCH"] = SCRIPT_ENV["SOURCE_DATE_EPOCH"]  # as in run_as_gui's processes
+        # A run without --seed (the Dreambooth defaults) draws its seed from Python's random, which a new process
+        # seeds from the OS and this one left wherever earlier tests seeded it: seeded here, the replay repeats.
+        random.seed(0)
+        launched.append(run_script_as_main(command, cwd, expect=expect, env=env))
+        if launched[-1].returncode != 0:
+            raise subprocess.CalledProcessError(launched[-1].returncode, command)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "simple_launcher", simple_launcher)
+        try:
+            launch.launch_command(launch.launch_command_parser().parse_args(argv[2:]))
+        except subprocess.CalledProcessError as failed:
+            assert expect != 0 and failed.returncode == expect
+    assert len(launched) == 1  # accelerate chose its simple launcher: one process, no distributed launch
+    return launched[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_gui_command_trains_as_written(name, tiny_models, gui_inputs, tmp_path):
@@ -95,7 +133,8 @@ def test_gui_command_trains_as_written(name, tiny_models, gui_inputs, tmp_path):
               "model": str(tiny_models[run["kind"]]), "train": str(tmp_path / "train"),
               "output": str(tmp_path / "output"), **gui_inputs}
     for prep in run["prep"]:  # the Finetuning tab: captions merged, buckets and latents prepared
-        run_as_gui([fill(part, values) for part in prep["argv"]], fill(prep["PYTHONPATH"], values), tmp_path)
+        assert fill(prep["PYTHONPATH"], values).split(":")[:2] == [values["gui"], str(REPO)]
+        run_script_as_main([fill(part, values) for part in prep["argv"]], tmp_path)
 
     argv = [fill(part, values) for part in run["train_argv"]]
     toml_path = Path(argv[argv.index("--config_file") + 1])
@@ -106,19 +145,24 @@ def test_gui_command_trains_as_written(name, tiny_models, gui_inputs, tmp_path):
     (toml_path.parent / "sample" / "prompt.txt").write_text("", encoding="utf-8")
     assert argv[:2] == ["accelerate", "launch"]
     argv[argv.index("--num_cpu_threads_per_process") + 1] = "1"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
     if name in BUCKET_STEPS_REFUSED:
-        refused = run_as_gui(launch, str(REPO), tmp_path, expect=1)  # accelerate launch: 1 when its child fails
+        if name == LAUNCHED_AS_PROCESSES:
+            launch = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+            refused = run_as_gui(launch, str(REPO), tmp_path, expect=1)  # accelerate launch: 1 when its child fails
+            assert "returned non-zero exit status 2" in refused.stderr, refused.stderr[-3000:]
+        else:
+            refused = launch_in_process(argv, tmp_path, expect=2)
         errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and errors[0].endswith(
-            "bucket_reso_steps 1 must be a multiple of 64 for this model (kohya's rule)"), refused.stderr[-3000:]
-        assert "returned non-zero exit status 2" in refused.stderr and not Path(values["output"], "logs").exists()
+        assert len(errors) == 1 and errors[0].endswith(BUCKET_STEPS_ERROR), refused.stderr[-3000:]
+        assert not Path(values["output"], "logs").exists()
         toml_text = re.sub(r"(?m)^bucket_reso_steps = 1.0$", "bucket_reso_steps = 64", toml_text)
         toml_path.write_text(toml_text, encoding="utf-8")
-    result = run_as_gui(launch, str(REPO), tmp_path)
+    result = launch_in_process(argv, tmp_path)
 
-    last_line = result.stdout.strip().splitlines()[-1]
-    assert last_line.startswith(f"done: {STEPS} steps, {STEPS} trained;"), result.stdout[-3000:]
+    # every step trained, or (fp16 from the loss scaler's initial scale) skipped by the loss scaler only
+    end = re.match(rf"done: {STEPS} steps, (\d+) trained; skipped: guard 0, loss scaler (\d+), non-finite loss 0, "
+                   r"non-finite gradient 0;", result.stdout.strip().splitlines()[-1])
+    assert end and int(end[1]) >= 1 and int(end[1]) + int(end[2]) == STEPS, result.stdout[-3000:]
     config = tomllib.loads(toml_text)
     assert config["save_model_as"] == "safetensors"
     saved = Path(config["output_dir"]) / f"{config['output_name']}.safetensors"  # kohya's final name

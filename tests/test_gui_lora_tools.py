@@ -25,17 +25,14 @@ against the inputs, checkpoints loaded back by ``library.model_loading``.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV, TRAIN_SCRIPTS, model_args, run_trainer
+from conftest import REPO, SCRIPT_ENV, TRAIN_SCRIPTS, model_args, run_script_as_main, run_trainer
 from safetensors import safe_open
 
 from library import checkpoint_keys, model_loading
@@ -133,29 +130,11 @@ def run_gui_command(template: list[str], files: dict[str, Path], out: Path, *ext
     gui_dir = out / "kohya_ss"
     gui_dir.mkdir(exist_ok=True)
     if in_process:
-        return run_script_in_process(argv, gui_dir)
+        return run_script_as_main(argv, gui_dir)
     env = {**SCRIPT_ENV, "PYTHONPATH": os.pathsep.join([str(gui_dir), str(REPO), SCRIPT_ENV.get("PYTHONPATH", "")])}
     result = subprocess.run(argv, cwd=gui_dir, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result
-
-
-def run_script_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``argv`` (interpreter, script, arguments) with the script run as ``__main__`` here; it must exit with 0."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    saved_argv, saved_cwd, code = sys.argv, os.getcwd(), 0
-    try:
-        sys.argv = argv[1:]
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            runpy.run_path(argv[1], run_name="__main__")
-    except SystemExit as exited:
-        code = exited.code or 0
-    finally:
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-    assert code == 0, (stdout.getvalue() + stderr.getvalue())[-3000:]
-    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
 def save_to(result: subprocess.CompletedProcess) -> Path:

@@ -142,7 +142,21 @@ def test_a_state_is_streamed_to_its_files_not_held_in_memory_a_second_time(tmp_p
 
 
 def run_full(argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
+    """``sdxl_train.py`` in a process of its own (for a run that is killed)."""
     return run_script("sdxl_train.py", argv, expect)
+
+
+def train_full(argv: list[str]) -> str:
+    """``sdxl_train.py`` in this process (a run that is not killed needs no process of its own); its output."""
+    from conftest import run_trainer_output
+
+    return run_trainer_output("sdxl_train", argv)
+
+
+def end_line(output: str) -> str:
+    """The run's last line (``done: ...``), found in stdout + the progress bar's stderr."""
+    (line,) = re.findall(r"^(?:done|failed): .*$", output, re.M)
+    return line
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +189,7 @@ def uninterrupted(tiny_models, dataset, tmp_path_factory):
     runs = {}
     for location in ("memory", "disk"):
         output_dir = tmp_path_factory.mktemp(f"healthy_{location}")
-        runs[location] = output_dir, run_full(diverging_argv(tiny_models, dataset, output_dir, location)).stdout
+        runs[location] = output_dir, train_full(diverging_argv(tiny_models, dataset, output_dir, location))
     return runs
 
 
@@ -189,7 +203,7 @@ def test_a_diverging_full_fine_tune_rewinds_from_disk_to_the_bytes_of_memory(uni
     assert "healthy point:" not in memory_out
     for name in COMPARED:
         assert (disk_dir / name).read_bytes() == (memory_dir / name).read_bytes(), name
-    assert disk_out.strip().splitlines()[-1] == memory_out.strip().splitlines()[-1]
+    assert end_line(disk_out) == end_line(memory_out)
     assert not (disk_dir / "ft-healthy").exists()  # gone once the run succeeded
     # the states hold the point as a file (disk) or inside components.pt (memory)
     assert (disk_dir / "ft-state" / healthy_point.STATE_FILE).is_file()
@@ -208,8 +222,8 @@ def test_killed_while_writing_the_healthy_point_then_resumed_gives_the_uninterru
     assert killed.returncode == -signal.SIGKILL
     left = [path.name for path in (tmp_path / "ft-healthy").iterdir()]
     assert any(name.startswith(".healthy_point.pt.tmp") for name in left), left  # the half-finished write
-    resumed = run_full(argv + ["--resume", "auto"])
-    assert f"resumed at step {healthy_steps[1] - 1} " in resumed.stdout  # the state before, never the healthy folder
+    resumed = train_full(argv + ["--resume", "auto"])
+    assert f"resumed at step {healthy_steps[1] - 1} " in resumed  # the state before, never the healthy folder
     for name in COMPARED:
         assert (tmp_path / name).read_bytes() == (reference / name).read_bytes(), name
     assert not (tmp_path / "ft-healthy").exists()

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import model_args, run_script_as_main, run_trainer, train_expecting_user_error
 
 from library import compatibility, config_file
 from networks import lora
@@ -214,12 +213,10 @@ def test_base_weights_train_on_the_merged_model(tiny_models, demo_dataset, tmp_p
         tiny_models, demo_dataset, first, "--max_train_steps", "3", "--learning_rate", "5e-2"))
     base_lora = first / "last.safetensors"
     merged = tmp_path / "merged.safetensors"
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "merge_lora.py"),
-                             "--sd_model", str(tiny_models["sdxl_file"]),
-                             "--model_config_dir", str(tiny_models["sdxl_config"]),
-                             "--save_to", str(merged), "--models", str(base_lora), "--ratios", "0.5"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    run_script_as_main([sys.executable, str(REPO_ROOT / "networks" / "merge_lora.py"),
+                        "--sd_model", str(tiny_models["sdxl_file"]),
+                        "--model_config_dir", str(tiny_models["sdxl_config"]),
+                        "--save_to", str(merged), "--models", str(base_lora), "--ratios", "0.5"], REPO_ROOT)
 
     def first_loss(name: str, model_file: Path, *extra: str) -> float:
         argv = args_for(tiny_models, demo_dataset, tmp_path / name, "--max_train_steps", "1",

@@ -15,7 +15,7 @@ import torch
 
 from library.errors import UserError
 from library.leco_prompts import PromptPair, leco_target, load_prompt_pairs
-from tests.conftest import REPO, SCRIPT_ENV, model_args
+from conftest import REPO, SCRIPT_ENV, model_args, run_script_as_main
 
 SLIDER_TOML = """
 neutral = "photo"
@@ -139,6 +139,12 @@ def run_script(script: str, argv: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def run_script_here(script: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``script`` as ``__main__`` in this process (``run_script_as_main``): its exit code and streams, no
+    process start (a refusal's cost is the imports)."""
+    return run_script_as_main([sys.executable, str(REPO / script), *argv], REPO, expect=None)
+
+
 @pytest.mark.parametrize("text, message", [
     ("[[prompts]]\ntarget = 'x'\naction = 'remove'\n", "`action` 'remove' is unknown; valid: erase, enhance"),
     ("[[prompts]]\npositive = 'x'\n", "prompts[0]: the key `target` is missing"),
@@ -146,8 +152,9 @@ def run_script(script: str, argv: list[str]) -> subprocess.CompletedProcess:
 def test_script_refuses_a_bad_prompt_file_with_exit_2_before_loading(tmp_path, text, message):
     """The model path does not exist: a refusal naming it would mean the prompt file was read after."""
     bad = write(tmp_path, "bad.yaml" if text.startswith("-") else "bad.toml", text)
-    result = run_script("sdxl_train_leco.py", ["--pretrained_model_name_or_path", str(tmp_path / "missing.safetensors"),
-                                               "--prompts_file", str(bad), "--output_dir", str(tmp_path / "out")])
+    result = run_script_here("sdxl_train_leco.py", ["--pretrained_model_name_or_path",
+                                                    str(tmp_path / "missing.safetensors"), "--prompts_file", str(bad),
+                                                    "--output_dir", str(tmp_path / "out")])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and str(bad) in lines[0], lines
@@ -156,9 +163,9 @@ def test_script_refuses_a_bad_prompt_file_with_exit_2_before_loading(tmp_path, t
 
 def test_script_refuses_image_dataset_options_with_exit_2(tmp_path):
     prompts_file = write(tmp_path, "p.toml", "[[prompts]]\ntarget = 'x'\n")
-    result = run_script("train_leco.py", ["--pretrained_model_name_or_path", str(tmp_path / "missing.safetensors"),
-                                          "--prompts_file", str(prompts_file), "--output_dir", str(tmp_path / "out"),
-                                          "--cache_latents"])
+    result = run_script_here("train_leco.py", ["--pretrained_model_name_or_path", str(tmp_path / "missing.safetensors"),
+                                               "--prompts_file", str(prompts_file), "--output_dir",
+                                               str(tmp_path / "out"), "--cache_latents"])
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: --cache_latents: LECO trains a UNet LoRA from prompts alone (no images, no epochs); remove the option"
     ], result.stderr[-2000:]
@@ -293,7 +300,7 @@ def leco_run_argv(tiny_models, prompts_file: Path, output_dir: Path) -> list[str
     with a state every step."""
     return [*model_args(tiny_models, "sdxl"), "--prompts_file", str(prompts_file), "--output_dir", str(output_dir),
             "--output_name", "s", "--network_dim", "1", "--network_alpha", "1", "--learning_rate", "5e-4",
-            "--max_train_steps", "6", "--max_denoising_steps", "4", "--seed", "3", "--mixed_precision", "fp16",
+            "--max_train_steps", "4", "--max_denoising_steps", "4", "--seed", "3", "--mixed_precision", "fp16",
             "--optimizer_type", "AdamW", "--save_state", "--save_every_n_steps", "1"]
 
 
@@ -310,13 +317,13 @@ def test_killed_in_a_state_write_then_resumed_gives_the_uninterrupted_bytes(tiny
     sdxl_train_leco.main(leco_run_argv(tiny_models, prompts_file, tmp_path / "ref"))
     reference = capsys.readouterr().out
     assert reference.strip().splitlines()[-1].startswith(
-        "done: 6 steps, 6 trained; skipped: guard 0, loss scaler "), reference[-2000:]
+        "done: 4 steps, 4 trained; skipped: guard 0, loss scaler "), reference[-2000:]
     argv = leco_run_argv(tiny_models, prompts_file, tmp_path / "run")
     killed = run_script("sdxl_train_leco.py", argv + ["--debug_kill_in_state_write", "3"])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     sdxl_train_leco.main(argv + ["--resume", "auto"])
     resumed = capsys.readouterr().out
-    assert "resumed at step 2 " in resumed and resumed.strip().splitlines()[-1].startswith("done: 6 steps"), resumed
+    assert "resumed at step 2 " in resumed and resumed.strip().splitlines()[-1].startswith("done: 4 steps"), resumed
     assert (tmp_path / "run" / "s.safetensors").read_bytes() == (tmp_path / "ref" / "s.safetensors").read_bytes()
 
 

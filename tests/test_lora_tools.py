@@ -1,4 +1,8 @@
-"""Offline LoRA tools on a really trained tiny-SDXL LoRA: show_metadata, check_lora_weights, resize_lora."""
+"""Offline LoRA tools on a really trained tiny-SDXL LoRA: show_metadata, check_lora_weights, resize_lora.
+
+show_metadata.py runs as a process (stdout is its JSON, stderr one line on bad input: nothing else may print);
+check_lora_weights.py and resize_lora.py run as ``__main__`` in this process (their exit codes and streams; their
+launches as processes are tests/test_gui_lora_tools.py's), saving a process start each (the imports of torch)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_args, run_trainer
+from conftest import model_args, run_script_as_main, run_trainer
 
 from library.errors import UserError
 from networks import check_lora_weights, resize_lora
@@ -34,6 +38,11 @@ def trained_lora(tiny_models, demo_dataset, tmp_path_factory) -> Path:
 
 def run_script(path: str, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO_ROOT / path), *argv], capture_output=True, text=True)
+
+
+def run_tool(path: str, *argv: str) -> subprocess.CompletedProcess:
+    """The script file as ``__main__`` in this process, any exit code (see the module docstring)."""
+    return run_script_as_main([sys.executable, str(REPO_ROOT / path), *argv], REPO_ROOT, expect=None)
 
 
 # --------------------------------------------------------------------------- show_metadata
@@ -68,7 +77,7 @@ def test_show_metadata_user_errors(tmp_path):
 
 
 def test_check_lora_weights_norms(trained_lora):
-    result = run_script("networks/check_lora_weights.py", str(trained_lora))
+    result = run_tool("networks/check_lora_weights.py", str(trained_lora))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == ",".join(check_lora_weights.COLUMNS)
@@ -92,10 +101,10 @@ def test_check_lora_weights_names_non_finite_module(trained_lora, tmp_path):
     from safetensors.torch import save_file  # save_lora_file refuses NaN, as training does
 
     save_file(weights, str(bad))
-    result = run_script("networks/check_lora_weights.py", str(bad))
+    result = run_tool("networks/check_lora_weights.py", str(bad))
     assert result.returncode == 1
     assert f"NaN/Inf in LoRA module {name}" in result.stderr
-    missing = run_script("networks/check_lora_weights.py", str(tmp_path / "nope.safetensors"))
+    missing = run_tool("networks/check_lora_weights.py", str(tmp_path / "nope.safetensors"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
 
 
@@ -104,7 +113,7 @@ def test_check_lora_weights_names_non_finite_module(trained_lora, tmp_path):
 
 def test_resize_error_matches_discarded_singular_values(trained_lora, tmp_path):
     out = tmp_path / "r2.safetensors"
-    result = run_script("networks/resize_lora.py", "--model", str(trained_lora), "--save_to", str(out),
+    result = run_tool("networks/resize_lora.py", "--model", str(trained_lora), "--save_to", str(out),
                         "--new_rank", "2")
     assert result.returncode == 0, result.stderr
     assert "retained energy (Frobenius)" in result.stdout

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import TRAIN_SCRIPTS, model_args, run_trainer
+from conftest import TRAIN_SCRIPTS, model_args, run_script_as_main, run_trainer
 from test_bad_input_sweep4_tools import lora_files  # noqa: F401  (the fixture: random LoRAs for the tiny models)
 
 from library.errors import UserError
@@ -58,12 +58,12 @@ def load_pipeline(kind: str, path: Path, tiny_models):
 def test_merged_checkpoint_matches_base_plus_lora(kind, loras, tiny_models, tmp_path):
     first, second = loras[kind]
     merged = tmp_path / "merged.safetensors"
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "merge_lora.py"),
-                             "--sd_model", str(tiny_models[f"{kind}_file"]),
-                             "--model_config_dir", str(tiny_models[f"{kind}_config"]),
-                             "--save_to", str(merged), "--models", str(first), str(second), "--ratios", "1.0", "0.5"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    # the script as __main__ in this process (tests/test_gui_lora_tools.py launches it as a process)
+    run_script_as_main([sys.executable, str(REPO_ROOT / "networks" / "merge_lora.py"),
+                        "--sd_model", str(tiny_models[f"{kind}_file"]),
+                        "--model_config_dir", str(tiny_models[f"{kind}_config"]),
+                        "--save_to", str(merged), "--models", str(first), str(second), "--ratios", "1.0", "0.5"],
+                       REPO_ROOT)
 
     base = load_pipeline(kind, tiny_models[f"{kind}_file"], tiny_models)
     plain = render(base)
@@ -183,13 +183,12 @@ def test_sdxl_merge_lora_is_the_same_tool(lora_files, tmp_path):
     outputs = []
     for script in ("merge_lora.py", "sdxl_merge_lora.py"):
         out = tmp_path / f"{script}.safetensors"
-        result = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / script), "--save_precision", "fp16",
-                                 "--precision", "float", "--save_to", str(out), "--models", str(lora_files["sdxl_0"]),
-                                 str(lora_files["sdxl_1"]), "--ratios", "1.0", "0.5", "--no_metadata"],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+        run_script_as_main([sys.executable, str(REPO_ROOT / "networks" / script), "--save_precision", "fp16",
+                            "--precision", "float", "--save_to", str(out), "--models", str(lora_files["sdxl_0"]),
+                            str(lora_files["sdxl_1"]), "--ratios", "1.0", "0.5", "--no_metadata"], REPO_ROOT)
         outputs.append(out.read_bytes())
     assert outputs[0] == outputs[1]
+    # the refusal as a process: exit code 2, one line (the files above ran as __main__ in this process)
     refused = subprocess.run([sys.executable, str(REPO_ROOT / "networks" / "sdxl_merge_lora.py"), "--save_to",
                               str(tmp_path / "x.safetensors"), "--models", str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "is a folder" in refused.stderr

@@ -82,35 +82,46 @@ def test_two_processes_batch_one_equal_one_process_batch_two(tiny_models, masked
     assert any(a[key].abs().sum() > 0 for key in a if "lora_up" in key)
 
 
-def test_nan_on_one_rank_lowers_the_scale_on_both_and_resume_is_exact(tiny_models, demo_dataset, tmp_path):
-    flags = ("--mixed_precision", "fp16", "--train_batch_size", "1", "--max_train_steps", "6",
-             "--grad_guard_preset", "stable", "--debug_inject_grad", "2=nan@1",
-             "--save_state", "--save_every_n_steps", "2")
-    # The NaN is written into rank 1's gradient after the gradient all-reduce, so only rank 1 sees it:
-    # the loss scaler's found-inf flag must be agreed so that both ranks skip and both lower the scale.
-    reference = launch(common(tiny_models, demo_dataset, tmp_path / "reference", *flags), 2)
+# A NaN written into rank 1's gradient after the gradient all-reduce, so only rank 1 sees it; a state every 2 steps.
+NAN_ON_ONE_RANK = ("--mixed_precision", "fp16", "--train_batch_size", "1", "--max_train_steps", "6",
+                   "--grad_guard_preset", "stable", "--debug_inject_grad", "2=nan@1",
+                   "--save_state", "--save_every_n_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def nan_on_one_rank(tiny_models, demo_dataset, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(output folder, result) of the uninterrupted two-process run with the NaN on rank 1: the reference of the
+    kill + resume, and the states the one-process resume is refused."""
+    output_dir = tmp_path_factory.mktemp("nan_on_one_rank")
+    return output_dir, launch(common(tiny_models, demo_dataset, output_dir, *NAN_ON_ONE_RANK), 2)
+
+
+def test_nan_on_one_rank_lowers_the_scale_on_both_and_resume_is_exact(nan_on_one_rank, tiny_models, demo_dataset,
+                                                                      tmp_path):
+    # The loss scaler's found-inf flag must be agreed so that both ranks skip and both lower the scale.
+    reference_dir, reference = nan_on_one_rank
     hashes = rank_hashes(reference)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
-    rows = [row.split(",") for row in (tmp_path / "reference" / "gradient_logs+last.txt").read_text().splitlines()[1:]]
+    rows = [row.split(",") for row in (reference_dir / "gradient_logs+last.txt").read_text().splitlines()[1:]]
     assert [row[6] for row in rows] == ["65536.0", "65536.0"] + ["32768.0"] * 4  # the scale used at each step
 
     killed_dir = tmp_path / "killed"
-    crashed = launch(common(tiny_models, demo_dataset, killed_dir, *flags, "--debug_kill_in_state_write", "2"), 2,
-                     check=False)
+    crashed = launch(common(tiny_models, demo_dataset, killed_dir, *NAN_ON_ONE_RANK, "--debug_kill_in_state_write",
+                            "2"), 2, check=False)
     assert crashed.returncode != 0
-    resumed = launch(common(tiny_models, demo_dataset, killed_dir, *flags, "--resume", "auto"), 2)
+    resumed = launch(common(tiny_models, demo_dataset, killed_dir, *NAN_ON_ONE_RANK, "--resume", "auto"), 2)
     assert "resuming from" in resumed.stdout
-    assert (killed_dir / "last.safetensors").read_bytes() == (tmp_path / "reference" / "last.safetensors").read_bytes()
+    assert (killed_dir / "last.safetensors").read_bytes() == (reference_dir / "last.safetensors").read_bytes()
     assert (killed_dir / "gradient_logs+last.txt").read_text() == \
-        (tmp_path / "reference" / "gradient_logs+last.txt").read_text()
+        (reference_dir / "gradient_logs+last.txt").read_text()
 
 
-def test_resume_with_another_world_size_is_refused(tiny_models, demo_dataset, tmp_path, capsys):
-    flags = ("--max_train_steps", "2", "--save_state", "--save_every_n_steps", "2")
-    launch(common(tiny_models, demo_dataset, tmp_path / "out", *flags), 2)
-    error = train_expecting_user_error(common(tiny_models, demo_dataset, tmp_path / "out", "--max_train_steps", "4",
-                                              "--resume", str(tmp_path / "out" / "last-step00000002-state")), capsys)
-    assert "world_size" in error
+def test_resume_with_another_world_size_is_refused(nan_on_one_rank, tiny_models, demo_dataset, tmp_path, capsys):
+    """The two-process run's state, resumed by one process with otherwise the same options."""
+    state = nan_on_one_rank[0] / "last-step00000002-state"
+    error = train_expecting_user_error(common(tiny_models, demo_dataset, tmp_path, *NAN_ON_ONE_RANK, "--resume",
+                                              str(state)), capsys)
+    assert "world_size=2, this run has world_size=1" in error, error
 
 
 def test_guard_skip_decided_on_one_rank_is_taken_by_both(tiny_models, demo_dataset, tmp_path):

@@ -38,13 +38,15 @@ def bucketed_dataset(tmp_path_factory) -> Path:
 
 
 def resume_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> list[str]:
+    """8 steps of 2 batches of 1: an epoch (6 images x 2 repeats) is 6 steps, so a resume from the step-4 state
+    crosses the epoch's end, and one from the step-6 state starts the second epoch."""
     return model_args(tiny_models, "sdxl") + [
         "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64",
         "--enable_bucket", "--min_bucket_reso", "64", "--max_bucket_reso", "128", "--bucket_reso_steps", "32",
         "--shuffle_caption", "--output_dir", str(output_dir), "--output_name", "run", "--seed", "5",
         "--max_data_loader_n_workers", "0", "--network_dim", "4", "--learning_rate", "1e-3",
         "--mixed_precision", "fp16", "--grad_guard_preset", "stable", "--gradient_accumulation_steps", "2",
-        "--max_train_steps", "12", "--save_state", "--save_every_n_steps", "2", "--network_train_unet_only",
+        "--max_train_steps", "8", "--save_state", "--save_every_n_steps", "2", "--network_train_unet_only",
         # dropout draws from the global torch RNG: a resume must continue its stream exactly
         "--network_dropout", "0.1", "--network_args", "rank_dropout=0.1", "module_dropout=0.1",
         *extra,
@@ -120,14 +122,14 @@ def test_killed_during_a_state_write_resumes_from_the_previous_state(
 def test_damaged_newest_state_falls_back_to_the_previous_one(uninterrupted, tiny_models, bucketed_dataset, tmp_path):
     output_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, output_dir)
-    # the newest two: the state at the end (--save_state, as kohya) and the step-12 one, both damaged
-    for newest in (output_dir / "run-state", output_dir / "run-step00000012-state"):
+    # the newest two: the state at the end (--save_state, as kohya) and the step-8 one, both damaged
+    for newest in (output_dir / "run-state", output_dir / "run-step00000008-state"):
         lora_file = newest / "lora.safetensors"
         lora_file.write_bytes(lora_file.read_bytes()[:100])  # truncated
     (output_dir / "run.safetensors").unlink()
     output = run_to_end(resume_args(tiny_models, bucketed_dataset, output_dir, "--resume", "auto"))
-    assert "run-step00000012-state" in output and "checksum mismatch" in output
-    assert "resuming from" in output and "run-step00000010-state" in output
+    assert "run-step00000008-state" in output and "checksum mismatch" in output
+    assert "resuming from" in output and "run-step00000006-state" in output
     assert (output_dir / "run.safetensors").read_bytes() == (uninterrupted / "run.safetensors").read_bytes()
 
 

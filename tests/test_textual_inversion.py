@@ -15,7 +15,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import send_to_device
-from conftest import REPO, SCRIPT_ENV, model_args, train_expecting_user_error
+from conftest import REPO, SCRIPT_ENV, model_args, run_script_as_main, train_expecting_user_error
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -177,18 +177,20 @@ def test_the_loss_on_fixed_draws_goes_down(kind, trained):
 
 @pytest.mark.slow
 def test_killed_then_resumed_gives_the_uninterrupted_bytes(tiny_models, dataset, tmp_path):
-    def run_script(output_dir: Path, *extra: str, expect: int | None = 0) -> subprocess.CompletedProcess:
-        argv = ti_argv(tiny_models, "sd15", dataset, output_dir, "--save_state", "--save_every_n_steps", "1", *extra)
-        result = subprocess.run([sys.executable, str(REPO / "train_textual_inversion.py"), *argv], cwd=REPO,
-                                env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
-        if expect is not None:
-            assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
-        return result
+    """The killed run is a process of its own (kill -9); the reference and the resumed run are the same script
+    run as ``__main__`` in this process, with the subprocess's SOURCE_DATE_EPOCH (the files' dates)."""
+    def argv(output_dir: Path, *extra: str) -> list[str]:
+        return [sys.executable, str(REPO / "train_textual_inversion.py"), *ti_argv(
+            tiny_models, "sd15", dataset, output_dir, "--save_state", "--save_every_n_steps", "1", *extra)]
 
-    run_script(tmp_path / "reference")
-    killed = run_script(tmp_path / "resumed", "--debug_kill_in_state_write", "4", expect=None)
-    assert killed.returncode == -signal.SIGKILL
-    resumed = run_script(tmp_path / "resumed", "--resume", "auto")
+    def run_here(command: list[str]) -> subprocess.CompletedProcess:
+        return run_script_as_main(command, REPO, env={"SOURCE_DATE_EPOCH": SCRIPT_ENV["SOURCE_DATE_EPOCH"]})
+
+    run_here(argv(tmp_path / "reference"))
+    killed = subprocess.run(argv(tmp_path / "resumed", "--debug_kill_in_state_write", "4"), cwd=REPO, env=SCRIPT_ENV,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, (killed.stdout + killed.stderr)[-3000:]
+    resumed = run_here(argv(tmp_path / "resumed", "--resume", "auto"))
     assert "resumed at step 3 " in resumed.stdout
     assert resumed.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
     for name in ("emb.safetensors", "emb-step00000005.safetensors"):

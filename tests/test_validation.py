@@ -17,7 +17,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from conftest import model_args, run_trainer, train_expecting_user_error
+from conftest import model_args, run_script_as_main, run_trainer, train_expecting_user_error
 from PIL import Image
 from safetensors import safe_open
 
@@ -358,20 +358,26 @@ def test_two_processes_share_the_set_and_agree_with_one(tiny_models, six_images,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
     def launch(processes: int, output_dir: Path, batch_size: str) -> tuple[str, dict[int, float]]:
-        if processes == 1:
-            command = [sys.executable, str(REPO / "sdxl_train_network.py")]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                       "--master_port", str(29500 + (os.getpid() + 500) % 1000), str(REPO / "sdxl_train_network.py")]
+        """Two processes by torch.distributed.run (each reports its weights' hash); one: the script as
+        ``__main__`` in this process."""
+        command = [sys.executable, str(REPO / "sdxl_train_network.py")]
+        report = []
+        if processes > 1:
+            command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                            "--master_port", str(29500 + (os.getpid() + 500) % 1000)]
+            report = ["--debug_report_weights"]
         log = output_dir / "log.jsonl"
         # SGD: AdamW's first steps move each weight by about +-lr whatever the gradient's size, so the
         # rounding differences of another batch layout would not stay small
         argv = trainer_args(tiny_models, six_images, output_dir, "--train_batch_size", batch_size,
                             "--optimizer_type", "torch.optim.SGD", "--learning_rate", "0.5", "--max_train_steps", "2",
-                            "--validation_split", "0.34", "--validate_every_n_steps", "1", "--debug_report_weights",
+                            "--validation_split", "0.34", "--validate_every_n_steps", "1", *report,
                             "--log_jsonl", str(log))
-        result = subprocess.run(command + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        if processes == 1:
+            result = run_script_as_main(command + argv, REPO)
+        else:
+            result = subprocess.run(command + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         return result.stdout, rows_with(jsonl_rows(log), "loss/validation/step_average")
 
     # 2 held-out images: with batch 1 each rank scores one; in one process with batch 2 one batch holds both

@@ -58,6 +58,13 @@ class Trainable(abc.ABC):
     def records_text_encoder_gradients(self) -> bool:
         """Whether the text encoders' forward must record gradients."""
 
+    def changes_text_conditioning(self) -> bool:
+        """Whether the text encoders' outputs for the same captions can differ between passes: something of
+        it is in their forward (weights it trains, an adapter whose multiplier the effect monitor sets to 0,
+        new token vectors). False lets a batch scored again and again keep its conditioning
+        (library/fixed_batches.py). The default, True, is never wrong (the captions are encoded at every pass)."""
+        return True
+
     @abc.abstractmethod
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's parameter groups with their learning rates (``UserError`` when none trains)."""

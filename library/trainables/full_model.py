@@ -204,6 +204,11 @@ class FullModelTrainable(Trainable):
     def records_text_encoder_gradients(self) -> bool:
         return self.parts()[1]
 
+    def changes_text_conditioning(self) -> bool:
+        # a text encoder among the trained models (its components)
+        return any(encoder is component for encoder in self.models.text_encoders
+                   for component in self.module.components.values())
+
     def param_groups(self) -> list[dict[str, Any]]:
         return [group.for_optimizer() for group in self._groups]
 

@@ -193,6 +193,10 @@ class LoraTrainable(Trainable):
         return self.config.train_text_encoder and any(p.requires_grad for module in self.module.text_encoder_loras
                                                       for p in module.parameters())
 
+    def changes_text_conditioning(self) -> bool:
+        # an adapter in a text encoder changes its outputs with its weights and its multiplier, trained or not
+        return bool(self.module.text_encoder_loras)
+
     def param_groups(self) -> list[dict[str, Any]]:
         config = self.config
         param_groups = self.module.prepare_optimizer_params(

@@ -9,7 +9,7 @@ import functools
 import random
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from library import (
 )
 from library.datasets import caching as dataset_caching, dataset as datasets
 from library.errors import UserError
+from library.fixed_batches import FixedBatches
 from library.model_loading import StableDiffusionModels
 from library.run_data import TrainingData
 from library.run_outputs import RunOutputs
@@ -52,6 +53,8 @@ class Trainer(Protocol):
     def capture_healthy_point(self, states: train_state.RunStates, healer: healing.HealingPolicy,
                               progress: train_state.Progress) -> None: ...
 
+    def fixed_batches(self, run: LossContext, source: Iterable[dict[str, Any]]) -> FixedBatches: ...
+
 
 def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) -> Optional[Run]:
     """Options resolved, data, models, what trains, optimization, state (resumed) and outputs; None
@@ -77,7 +80,8 @@ def build_run(trainer: Trainer, args: argparse.Namespace, explicit: set[str]) ->
     states, progress, resume_step, captured = build_state(trainer, args, accelerator, optimization, data,
                                                           resume_from, best)
     validator = validation.create(args, data.validation_dataset, accelerator,
-                                  loss.noise_scheduler.config.num_train_timesteps, data.num_workers)
+                                  loss.noise_scheduler.config.num_train_timesteps, data.num_workers,
+                                  functools.partial(trainer.fixed_batches, loss))
     metadata = {} if not accelerator.is_main_process else trainable.metadata(
         args, accelerator, models, data, optimization, progress)
     print(f"training: {data.dataset.num_train_images} {data.dataset.unit}, {len(data)} batches per epoch, {data.num_epochs} "
@@ -174,6 +178,7 @@ def build_model(trainer: Trainer, args: argparse.Namespace, accelerator: Acceler
         check_inputs=args.quarantine_bad_samples,
         debiased=debiased_loss.create(args, trainable.module, device, data.steps_per_epoch),
         inpainting=getattr(args, "train_inpainting", False),
+        text_encoding_fixed=not trainable.changes_text_conditioning(),
     )
     return models, loss
 

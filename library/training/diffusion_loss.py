@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 from library import compatibility, healing, inpainting, losses, noise
 from library.datasets import latents as cached_latents
@@ -79,6 +80,8 @@ def plan_loss(run: LossContext, batch: dict[str, Any], epoch: int, timesteps: Op
         timesteps = batch.get("timesteps")
     if "latents" in batch:
         latent_hw = tuple(batch["latents"].shape[2:])
+    elif "latent_distribution" in batch:  # a fixed batch encoded once (library/fixed_batches.py)
+        latent_hw = tuple(batch["latent_distribution"][0].shape[2:])
     else:
         latent_hw = (batch["images"].shape[2] // 8, batch["images"].shape[3] // 8)
     if timesteps is None:
@@ -110,15 +113,17 @@ def compute_loss(
     with torch.no_grad():
         if "latents" in batch:  # cached VAE mean/std: the same keyed sample as encode_latents
             latents = cached_latents.sample_cached_latents(batch, seed, epoch).to(device)
-        else:
-            latents = encode_latents(models.vae, batch["images"], seed, epoch, sample_indices)
+        else:  # the VAE's distribution: a fixed batch's, encoded once (library/fixed_batches.py), or the images'
+            distribution = (send_to_device(batch["latent_distribution"], device) if "latent_distribution" in batch
+                            else latent_distribution(models.vae, batch["images"]))
+            latents = sample_latents(distribution, models.vae.config.scaling_factor, seed, epoch, sample_indices)
         if run.inpainting:  # no cached latents (refused): the images are here
             masks = inpainting.training_masks(seed, epoch, sample_indices, *batch["images"].shape[2:])
             extra_input = inpainting.conditioning_channels(
                 batch["images"].to(device), masks,
                 lambda masked: encode_latents(models.vae, masked, seed, epoch, sample_indices)).to(device)
-    if "text_encoder_outputs" in batch:  # cached SDXL conditioning (text encoders frozen)
-        conditioning = tuple(tensor.to(device) for tensor in batch["text_encoder_outputs"])
+    if "text_encoder_outputs" in batch:  # cached conditioning (text encoders frozen): the dataset's, a fixed batch's
+        conditioning = send_to_device(batch["text_encoder_outputs"], device)
     else:
         with nullcontext() if run.train_text_encoder else torch.no_grad():
             conditioning = hooks.encode_prompts(args, models, batch["captions"])
@@ -171,7 +176,46 @@ def validation_loss(
 
 def encode_latents(vae, images: torch.Tensor, seed: int, epoch: int, sample_indices: list[int]) -> torch.Tensor:
     """Scaled VAE latents in fp32, sampled with keyed noise so each image's sample is reproducible."""
+    return sample_latents(latent_distribution(vae, images), vae.config.scaling_factor, seed, epoch, sample_indices)
+
+
+def latent_distribution(vae, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's latent mean and std of ``images`` (unscaled, fp32, on the VAE's device)."""
     distribution = vae.encode(images.to(vae.device, dtype=vae.dtype)).latent_dist
-    mean, std = distribution.mean.float(), distribution.std.float()
+    return distribution.mean.float(), distribution.std.float()
+
+
+def sample_latents(distribution: tuple[torch.Tensor, torch.Tensor], scaling_factor: float, seed: int, epoch: int,
+                   sample_indices: list[int]) -> torch.Tensor:
+    """``(mean + std * eps) * scaling_factor`` with ``eps`` keyed by (``seed``, ``epoch``, sample), where the mean is."""
+    mean, std = distribution
     eps = noise.draw_latent_samples(seed, epoch, sample_indices, tuple(mean.shape[1:])).to(mean.device)
-    return (mean + std * eps) * vae.config.scaling_factor
+    return (mean + std * eps) * scaling_factor
+
+
+def fixed_batch_encoder(hooks: LossHooks, run: LossContext) -> Optional[Callable[[dict[str, Any]], dict[str, Any]]]:
+    """What encodes a batch scored again and again once (``library.fixed_batches``), or None when its inputs
+    must be encoded at every pass: inpainting (its masked images are drawn anew for every timestep) or a
+    VAE with a trainable weight (none here trains one; checked, not assumed)."""
+    vae = run.models.vae
+    if run.inpainting or (vae is not None and any(parameter.requires_grad for parameter in vae.parameters())):
+        return None
+    return lambda batch: encode_fixed_batch(hooks, run, batch)
+
+
+def encode_fixed_batch(hooks: LossHooks, run: LossContext, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with what the frozen models make of it computed now, as ``compute_loss`` computes it (the
+    same calls, under the same autocast: a pass on the result gives the same bits): the VAE's latent
+    distribution (``latent_distribution``) in place of the images and, when nothing in the text encoders'
+    forward can change (``run.text_encoding_fixed``), the conditioning (``text_encoder_outputs``) beside the
+    captions. Kept where the batch is (a validation batch on the CPU). ``batch`` itself is not changed."""
+    encoded = dict(batch)
+    place = batch["sample_indices"].device
+    with torch.no_grad(), run.autocast:
+        if "images" in batch and "latents" not in batch:
+            encoded["latent_distribution"] = send_to_device(latent_distribution(run.models.vae, batch["images"]), place)
+            del encoded["images"]
+        if run.text_encoding_fixed and "captions" in batch and "text_encoder_outputs" not in batch:
+            encoded["text_encoder_outputs"] = send_to_device(
+                hooks.encode_prompts(run.args, run.models, batch["captions"]), place)
+    return encoded

@@ -42,6 +42,9 @@ class LossContext:
     check_inputs: bool = False
     debiased: Optional[debiased_loss.DebiasedLoss] = None  # --debiased_loss: the base model's loss beside it
     inpainting: bool = False  # --train_inpainting: the UNet also sees a random mask and the masked image
+    # nothing in the text encoders' forward can change (Trainable.changes_text_conditioning): a fixed batch's
+    # conditioning is encoded once (library/fixed_batches.py)
+    text_encoding_fixed: bool = False
 
 
 @dataclass

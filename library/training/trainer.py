@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from library import best_checkpoint, fault_injection, healing, lora_files, losses, lr_finder, nan_report
 from library import optimizers, sampling, train_state
+from library.fixed_batches import FixedBatches
 from library.model_loading import StableDiffusionModels
 from library.run_data import Window
 from library.run_outputs import StepResult
@@ -190,6 +191,11 @@ class Trainer:
     def validation_loss(self, run: LossContext, batch: dict[str, Any], timesteps: torch.Tensor, epoch: int,
                         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return diffusion_loss.validation_loss(self, run, batch, timesteps, epoch, seed)
+
+    def fixed_batches(self, run: LossContext, source: Iterable[dict[str, Any]]) -> FixedBatches:
+        """``source``'s batches, scored again and again (validation, the effect monitor's probe, the finder),
+        with what the frozen models make of them encoded once (library/fixed_batches.py)."""
+        return FixedBatches(source, diffusion_loss.fixed_batch_encoder(self, run))
 
     # -- healing -------------------------------------------------------------------------------
     def heal(self, run: Run, result: StepResult, window: Window) -> None:
