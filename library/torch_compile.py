@@ -7,7 +7,7 @@ when its LoRA trains and the text encoders when theirs does; the adapters are co
 them, as their modules hook into the models' layers (every network type, fp8 base layers and
 gradient checkpointing included). The VAE is not compiled, and sample images run the
 uncompiled models (kohya samples with ``accelerator.unwrap_model``): the compiled ones serve the
-training and validation losses.
+training losses (validation: below).
 
 The other compile settings come from where kohya's Accelerator reads them: the environment
 that ``accelerate launch --dynamo_mode/--dynamo_use_fullgraph/--dynamo_use_dynamic`` sets
