@@ -334,6 +334,14 @@ class StateStore:
             return None
         linked = linked or {}
         trained = {key: value.detach().cpu().contiguous() for key, value in lora.items()}
+        # the trained weights and the optimizer state are streamed to their files (a full model's state
+        # does not fit in memory a second time as bytes)
+        written = {
+            "components.pt": lambda path: torch.save(components, path),
+            "lora.safetensors": lambda path: save_file(trained, str(path)),
+            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
+            "rng.pt": _torch_bytes(rng_state()),
+        }
 
         def write_manifest(path: Path) -> None:
             # the files above are in the temporary folder already: their checksums are read back from it
@@ -343,14 +351,6 @@ class StateStore:
                         "arguments": self.protected, "files": checksums}
             path.write_text(json.dumps(manifest, indent=1))
 
-        # the trained weights and the optimizer state are streamed to their files (a full model's state
-        # does not fit in memory a second time as bytes)
-        written = {
-            "components.pt": lambda path: torch.save(components, path),
-            "lora.safetensors": lambda path: save_file(trained, str(path)),
-            "progress.json": json.dumps(asdict(progress)).encode("utf-8"),
-            "rng.pt": _torch_bytes(rng_state()),
-        }
         final = self.output_dir / name
         atomic_files.write_folder(final, {**written, MANIFEST: write_manifest}, before_rename=self._before_rename,
                                   linked={file_name: source for file_name, (source, _) in linked.items()},
