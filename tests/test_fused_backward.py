@@ -17,6 +17,7 @@ import copy
 import io
 import math
 
+import numpy
 import pytest
 import torch
 from transformers.optimization import Adafactor
@@ -289,19 +290,26 @@ def test_bfloat16_stochastic_rounding_is_unbiased_and_keyed():
     """bf16 weights under fused Adafactor are rounded stochastically (kohya): each value is one of its two
     bf16 neighbours, the mean over many draws is the float32 value, and the draws are keyed (the same
     seed gives the same bits, the global RNG is untouched)."""
-    value = torch.full((200_000,), 1.0 + 2.0**-10, dtype=torch.float32)  # 1/8 of a bf16 step above 1.0
-    target = torch.empty(200_000, dtype=torch.bfloat16)
-    rng_before = torch.get_rng_state()
-    fused_backward.stochastic_round_to_bfloat16_(target, value, torch.Generator().manual_seed(5))
+    # rows: 1/8 of a bf16 step above 1.0, 3/4 of a step beyond -3.0 (the sign bit through the integer
+    # arithmetic), and values bf16 holds exactly (never moved)
+    value = torch.stack([torch.full((100_000,), 1.0 + 2.0**-10), torch.full((100_000,), -(3.0 + 3 * 2.0**-8)),
+                         torch.tensor([0.0, -0.0, 1.0, -2.5, 2.0**-100, -(2.0**127)]).repeat(100_000 // 6 + 1)[:100_000]])
+    target = torch.empty(value.shape, dtype=torch.bfloat16)
+    rng_before, numpy_before = torch.get_rng_state(), numpy.random.get_state()[1].copy()
+    fused_backward.stochastic_round_to_bfloat16_(target, value, 5)
     assert torch.equal(torch.get_rng_state(), rng_before)
-    low, high = 1.0, 1.0 + 2.0**-7
-    assert set(target.float().unique().tolist()) == {low, high}
-    fraction_up = (target.float() == high).double().mean().item()
-    # binomial: 1/8 expected, 6 standard deviations of 200k draws
-    assert abs(fraction_up - 0.125) <= 6 * (0.125 * 0.875 / 200_000) ** 0.5
+    assert (numpy.random.get_state()[1] == numpy_before).all()
+    for row, low, high, expected_up in [(0, 1.0, 1.0 + 2.0**-7, 1 / 8), (1, -3.0, -(3.0 + 2.0**-6), 3 / 4)]:
+        assert set(target[row].float().unique().tolist()) == {low, high}
+        fraction_up = (target[row].float() == high).double().mean().item()
+        # binomial: 6 standard deviations of 100k draws
+        assert abs(fraction_up - expected_up) <= 6 * (expected_up * (1 - expected_up) / 100_000) ** 0.5
+    assert torch.equal(target[2].view(torch.int16), value[2].bfloat16().view(torch.int16))
     again = torch.empty_like(target)
-    fused_backward.stochastic_round_to_bfloat16_(again, value, torch.Generator().manual_seed(5))
+    fused_backward.stochastic_round_to_bfloat16_(again, value, 5)
     assert torch.equal(target, again)
+    fused_backward.stochastic_round_to_bfloat16_(again, value, 6)
+    assert not torch.equal(target, again)
 
 
 def test_bfloat16_fused_adafactor_rounds_the_float32_update():
