@@ -294,3 +294,75 @@ def cast_models(models, dtype: torch.dtype):
     for model in [models.unet, *models.text_encoders]:
         model.to(dtype)
     return models
+
+
+def _forked_training(script: str, argv: list[str], output_fd: int) -> None:
+    """The child of ``ForkedTraining``: stdout and stderr into the pipe, the subprocess environment, the run."""
+    import io
+
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    os.close(output_fd)
+    # the test's sys.stdout / sys.stderr are pytest's captures: the child's own descriptors instead
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    os.environ["SOURCE_DATE_EPOCH"] = SCRIPT_ENV["SOURCE_DATE_EPOCH"]
+    os.chdir(REPO)
+    run_trainer(script, argv)
+
+
+class ForkedTraining:
+    """``script``'s ``main(argv)`` in a child forked from the test's process: a process of its own to kill (kill -9
+    and resume tests) without a process start, since the child has the test's imports (a subprocess spends ~5-8 s
+    of CPU importing torch, diffusers and the trainer). As ``subprocess.Popen`` of ``script``'s file with
+    ``stdout=PIPE, stderr=STDOUT, text=True``: ``stdout`` (lines), ``send_signal``, ``communicate``,
+    ``returncode`` (-N when signal N ended it)."""
+
+    def __init__(self, script: str, argv: list[str]) -> None:
+        import multiprocessing
+
+        read_fd, write_fd = os.pipe()
+        self._process = multiprocessing.get_context("fork").Process(target=_forked_training,
+                                                                    args=(script, argv, write_fd))
+        self._process.start()
+        os.close(write_fd)  # the child holds the only writer: the pipe ends when the child does
+        self.stdout = os.fdopen(read_fd, "r")
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self._process.pid, signum)
+
+    def communicate(self, timeout: float) -> tuple[str, None]:
+        """The rest of the output once the child ended (killed after ``timeout`` s: TimeoutExpired)."""
+        import threading
+
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(self.stdout.read()), daemon=True)
+        reader.start()  # the child may write more than a pipe holds before it ends
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join()
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        reader.join()
+        self.stdout.close()
+        return rest[0], None
+
+
+def start_training_process(script: str, argv: list[str]) -> "ForkedTraining | subprocess.Popen":
+    """A training in a process of its own (to kill or interrupt): forked from this one (``ForkedTraining``), or on
+    CUDA a subprocess of ``script``'s file (a forked child cannot use the CUDA the test's process set up)."""
+    if DEVICE == "cuda":
+        return subprocess.Popen([sys.executable, str(REPO / f"{script}.py"), *argv], cwd=REPO, env=SCRIPT_ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return ForkedTraining(script, argv)
+
+
+def run_training_process(script: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``start_training_process`` to its end: returncode and output (stdout then stderr, interleaved as written)."""
+    process = start_training_process(script, argv)
+    output, _ = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess([script, *argv], process.returncode, output, "")

@@ -15,7 +15,8 @@ from typing import Optional
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from conftest import REPO, SCRIPT_ENV, model_args, run_sdxl_script, run_trainer_output, train_expecting_user_error
+from conftest import (REPO, SCRIPT_ENV, model_args, run_trainer_output, run_training_process,
+                      train_expecting_user_error)
 from diffusers.training_utils import EMAModel
 
 import sdxl_train_network
@@ -383,8 +384,9 @@ def test_a_rewind_restores_the_average_of_the_healthy_point(tiny_models, tmp_pat
 def test_sigkill_then_resume_auto_gives_identical_bytes(ema_run, tiny_models, demo_dataset, prompts, tmp_path):
     reference, _, _ = ema_run
     argv = ema_args(tiny_models, demo_dataset, tmp_path, *EMA_FLAGS, "--sample_prompts", str(prompts))
-    killed = run_sdxl_script(argv + ["--debug_kill_in_state_write", "2"], expect=None)  # while writing step 4's state
-    assert killed.returncode == -signal.SIGKILL
+    # while writing step 4's state, in a process of its own (a fork of this one: no imports to wait for)
+    killed = run_training_process("sdxl_train_network", argv + ["--debug_kill_in_state_write", "2"])
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     resumed = run_trainer_output("sdxl_train_network", argv + ["--resume", "auto"])  # needs no process of its own
     assert "resumed at step 2 " in resumed
     for name in ("run.safetensors", "run-raw.safetensors", "run-step00000004.safetensors",

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV, model_args, run_trainer, train_expecting_user_error
+from conftest import SCRIPT_ENV, model_args, run_trainer, run_training_process, train_expecting_user_error
 from safetensors.torch import load_file
 
 from library import inpainting, noise
@@ -183,10 +181,9 @@ def test_killed_then_resumed_gives_the_uninterrupted_lora_bytes(tiny_models, tin
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", SCRIPT_ENV["SOURCE_DATE_EPOCH"])  # the metadata's times, as the killed run's
     run_trainer("train_network", argv(tmp_path / "reference"))
-    killed = subprocess.run([sys.executable, str(REPO / "train_network.py"),
-                             *argv(tmp_path / "run", "--debug_kill_in_state_write", "2")],  # dies writing step 4's
-                            cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # dies writing step 4's state, in a process of its own (a fork of this one: no imports to wait for)
+    killed = run_training_process("train_network", argv(tmp_path / "run", "--debug_kill_in_state_write", "2"))
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     run_trainer("train_network", argv(tmp_path / "run", "--resume", "auto"))
     assert "resumed at step 2 " in capsys.readouterr().out
     name = "inpaint.safetensors"

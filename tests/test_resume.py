@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +15,6 @@ from conftest import model_args, run_trainer
 from PIL import Image
 
 from library.errors import exit_on_user_error
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "SOURCE_DATE_EPOCH": "1700000000", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +47,9 @@ def resume_args(tiny_models, dataset: Path, output_dir: Path, *extra: str) -> li
     ]
 
 
-def launch(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "sdxl_train_network.py"), *argv], cwd=REPO, env=ENV,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+def launch(argv: list[str]):
+    """The training in a process of its own, to kill or interrupt (a fork of this one: no imports to wait for)."""
+    return conftest.start_training_process("sdxl_train_network", argv)
 
 
 def run_to_end(argv: list[str]) -> str:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SCRIPT_ENV, full_matrix, model_args, run_trainer_output
+from conftest import full_matrix, model_args, run_trainer_output, run_training_process
 
 import library.training.trainer
 import fine_tune
@@ -80,14 +78,6 @@ def test_every_trainable_has_every_hook_the_core_calls():
     for trainer in entry_trainers():
         assert isinstance(trainer.trainable, Trainable)
         assert isinstance(trainer.trainable.kind, str) and hasattr(trainer.trainable, "module")
-
-
-def run_script(script: str, argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(REPO / script), *argv], cwd=REPO, env=SCRIPT_ENV,
-                            capture_output=True, text=True, timeout=600)
-    if expect is not None:
-        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +154,10 @@ def test_killed_at_the_rewind_then_resumed_gives_the_uninterrupted_bytes(name, u
     reference, _, rewinds = uninterrupted(name)
     kill_at = rewinds[0]  # a state is written every step: dying while writing state K kills at step K
     argv = events_argv(name, tiny_models, dataset, prompts, tmp_path)
-    killed = run_script(TRAINERS[name].script, argv + ["--debug_kill_in_state_write", str(kill_at)], expect=None)
-    assert killed.returncode == -signal.SIGKILL
+    # in a process of its own (a fork of this one: no imports to wait for)
+    killed = run_training_process(Path(TRAINERS[name].script).stem,
+                                  argv + ["--debug_kill_in_state_write", str(kill_at)])
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     resumed = run_trainer_output(Path(TRAINERS[name].script).stem, argv + ["--resume", "auto"])  # no process needed
     assert f"resumed at step {kill_at - 1} " in resumed
     for file_name in (TRAINERS[name].final_file, *KEPT):
