@@ -13,11 +13,12 @@ not one of the shipped full-size configs, and these tabs have no field for extra
 models need none): Merge with an SD model and Extract load a checkpoint, and Merge (SVD) builds the
 LoRA's modules on an empty model of the files' kind.
 
-Every script file runs as the GUI launches it (a subprocess with the GUI's environment) at least once: on SDXL for
-the tabs whose script is the same for both kinds, where SD 1.5's command runs the same file in this process (as
-``__main__``, the GUI's argv and working folder): a launch costs ~15 s of CPU for the imports alone (diffusers
-imports bitsandbytes, which imports torch's compiler). The Merge tabs run a different file per kind, and Verify's
-output streams are checked: subprocesses for both kinds.
+Every script file runs as the GUI launches it (a subprocess with the GUI's environment) exactly once, its other
+commands run the same file in this process (as ``__main__``, the GUI's argv and working folder): a launch costs ~15 s
+of CPU for the imports alone (diffusers imports bitsandbytes, which imports torch's compiler). The tabs whose script
+is the same for both kinds launch it on SDXL (Verify's output streams are checked there), SD 1.5's command runs in
+this process; the Merge tab runs a different file per kind: its into-a-model command launches each file, its
+LoRA-only command runs the same file in this process.
 
 Outputs are checked on real code paths: every module of a LoRA file is built on the tiny model by
 ``networks.registry.network_from_file`` (what merging and --network_weights use), deltas and ranks
@@ -182,7 +183,7 @@ def test_merge_tab_loras_into_one(kind, inputs, tmp_path):
     """The GUI cannot pass --concat: kohya's default merge, the scaled factors added per module
     (s_i = sqrt(alpha_i / alpha_first) * ratio_i on down, |s_i| on up, alpha of the first file holding it)."""
     files = inputs[kind]
-    out = save_to(run_gui_command(MERGE_LORAS[kind], files, tmp_path))
+    out = save_to(run_gui_command(MERGE_LORAS[kind], files, tmp_path, in_process=True))  # launched: into a model
     merged = lora_modules(read_lora_file(str(out)))
     sources = [(0.7, lora_modules(read_lora_file(str(files["lora_a"])))),
                (0.3, lora_modules(read_lora_file(str(files["locon"]))))]
@@ -269,6 +270,6 @@ def test_extract_dylora_tab(kind, inputs, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_tab(kind, inputs, tmp_path):
     files = inputs[kind]
-    result = run_gui_command(VERIFY, files, tmp_path)
+    result = run_gui_command(VERIFY, files, tmp_path, in_process=kind == IN_PROCESS_KIND)
     count = len(lora_modules(read_lora_file(str(files["locon"]))))
     assert f"# {count} modules, 0 with NaN/Inf" in result.stdout and result.stderr == ""

@@ -268,10 +268,16 @@ def random_network_file(models, variant: str, path: Path, multiplier: float = 1.
 # lycoris computes OFT rotations in float32 only (diag_oft.py: `.float().inverse()`): these are compared in
 # float32 (measured: 3e-6 of the effect, sqrt(eps32) = 3.5e-4).
 FLOAT32_ONLY = ("diag-oft", "boft")
+# The (variant, kind) round trips CI checks: every variant on SDXL; on SD 1.5 (diffusers module names, checked for
+# every variant by the layout test) the variants whose modules differ there: LoCon (the full preset's conv_in,
+# conv_out and time embedding, SD 1.5 only), Full (those layers' weights replaced, biases included) and the norm
+# layers (train_norm). ``pytest --full_matrix`` checks every variant on both kinds.
+SD15_ROUND_TRIPS = ("locon", "full", "loha_train_norm")
+ROUND_TRIP_CASES = [(variant, kind) for kind in ("sdxl", "sd15") for variant in VARIANTS
+                    if full_matrix() or kind == "sdxl" or variant in SD15_ROUND_TRIPS]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kind", ["sdxl", "sd15"])
+@pytest.mark.parametrize(("variant", "kind"), ROUND_TRIP_CASES)
 def test_file_reproduces_the_network_and_merging_reproduces_the_file(variant, kind, tmp_path):
     models = build_models(kind)
     path = tmp_path / "net.safetensors"
@@ -478,7 +484,12 @@ def test_each_gui_lycoris_type_trains_and_writes_kohyas_file(algo, kind, trained
         {key: tuple(value.shape) for key, value in expected.items()}
 
 
-@pytest.mark.parametrize("variant", ["locon_scalar_max_norm", "loha_dropout", "dylora", "full", "boft"])
+# locon_scalar_max_norm's state (scalar, max-norm, guard) is resumed by the kill test below too (from its step-1
+# state, to the same run's bytes): CI resumes it there, ``pytest --full_matrix`` here too.
+RESUMED = ["loha_dropout", "dylora", "full", "boft"] + (["locon_scalar_max_norm"] if full_matrix() else [])
+
+
+@pytest.mark.parametrize("variant", RESUMED)
 def test_resume_gives_identical_bytes(variant, trained, tiny_models, one_image_dataset, tmp_path):
     reference = trained(variant, "sdxl")
     resumed = tmp_path / "resumed"
