@@ -430,8 +430,7 @@ def test_sigkill_around_a_rewind_then_resume_gives_identical_bytes(when, uninter
 
 
 def test_two_processes_agree_on_every_quarantine_and_rewind(tiny_models, quickstart_dataset, tmp_path):
-    # 5 steps: on CPU it rewinds at step 3, quarantines 003.png at step 4 and trains step 5 after both
-    argv = quickstart_args(tiny_models, quickstart_dataset, tmp_path, "--learning_rate", "1", "--max_train_steps", "5",
+    argv = quickstart_args(tiny_models, quickstart_dataset, tmp_path, "--learning_rate", "1", "--max_train_steps", "8",
                            "--network_dim", "4", "--network_args", "conv_dim=4", "conv_alpha=4",
                            "--debug_inject_sample", "003.png=nan", "--debug_report_weights")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
