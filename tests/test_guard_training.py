@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from conftest import model_args, run_trainer
+from conftest import model_args, run_script_as_main, run_trainer
 
 import sdxl_train_network
 import train_network
@@ -171,10 +171,9 @@ def test_replay_reproduces_the_training_decisions(tiny_models, one_image_dataset
     )
     log = out / "gradient_logs+last.txt"
     replayed = tmp_path / "replayed.csv"
-    result = subprocess.run(
+    result = run_script_as_main(  # the tool as its launch runs it, without a process start (its imports)
         [sys.executable, str(REPO / "tools" / "replay_grad_guard.py"), str(log), "--out", str(replayed), *guard_flags],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )
+        REPO, expect=None)
     assert result.returncode == 0, result.stderr
     trained, replay = read_log(log), read_log(replayed)
     assert len(trained) == len(replay) == 212

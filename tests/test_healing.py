@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT_ENV, full_matrix, model_args, run_sdxl_script, run_trainer, run_trainer_output
+from conftest import (REPO, SCRIPT_ENV, full_matrix, model_args, run_script_as_main, run_sdxl_script, run_trainer,
+                      run_trainer_output)
 
 from library import healing
 from library.healing import HealingConfig, HealingPolicy, SampleOutcome, StepOutcome
@@ -223,11 +224,13 @@ def log_rows(path: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def learning_rate_one(tiny_models, quickstart_dataset, tmp_path_factory) -> tuple[Path, str]:
-    """The issue's run: the quickstart at --learning_rate 1 (the fp16 forward overflows from step 2)."""
+    """The issue's run: the quickstart at --learning_rate 1 (the fp16 forward overflows from step 2). 20 steps: on
+    CPU it rewinds at steps 3 and 7, then trains 13 steps at 0.01, so the last ten, all after the rewinds, show
+    the run learning again and the file of step 10 comes after both rewinds."""
     output_dir = tmp_path_factory.mktemp("lr_one")
     argv = quickstart_args(tiny_models, quickstart_dataset, output_dir, "--learning_rate", "1",
-                           "--max_train_steps", "40", "--log_jsonl", str(output_dir / "log.jsonl"),
-                           "--save_every_n_steps", "20")
+                           "--max_train_steps", "20", "--log_jsonl", str(output_dir / "log.jsonl"),
+                           "--save_every_n_steps", "10")
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):  # a module fixture: capsys is per test
         run_trainer("sdxl_train_network", argv)
@@ -244,7 +247,7 @@ def test_a_diverging_fp16_run_rewinds_and_ends_with_a_usable_lora(learning_rate_
                          r"([0-9.e+-]+), (\d+) batches of the diverged span skipped", output, re.M)
     assert rewinds and rewinds[0][1] == "non-finite loss at 2 consecutive steps"
     final = output.strip().splitlines()[-1]
-    assert final.startswith("done: 40 steps, ") and f"rewinds {len(rewinds)} (learning rate now " \
+    assert final.startswith("done: 20 steps, ") and f"rewinds {len(rewinds)} (learning rate now " \
         f"{float(rewinds[-1][3]):.4g}" in final and "final average loss" in final
     # the loss scale never fell: a forward overflow is not the scaler's business
     assert {row["Scale"] for row in rows} == {"65536.0"}
@@ -252,8 +255,8 @@ def test_a_diverging_fp16_run_rewinds_and_ends_with_a_usable_lora(learning_rate_
     assert all(torch.isfinite(value).all() for value in weights.values())
     recorded = json.loads(read_lora_metadata(str(output_dir / "q.safetensors"))["ss_rewinds"])
     assert [(event["step"], event["to_step"]) for event in recorded] == [(int(s), int(t)) for s, _, t, _, _ in rewinds]
-    assert read_lora_metadata(str(output_dir / "q-step00000020.safetensors"))["ss_rewinds"] == json.dumps(
-        [event for event in recorded if event["step"] <= 20])  # the files saved during the run too
+    assert read_lora_metadata(str(output_dir / "q-step00000010.safetensors"))["ss_rewinds"] == json.dumps(
+        [event for event in recorded if event["step"] <= 10])  # the files saved during the run too
     events = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
     assert [event["step"] for event in events if event.get("event") == "rewind"] == [int(s) for s, *_ in rewinds]
     assert [event.get("train/rewinds") for event in events if "loss/current" in event][-1] == len(rewinds)
@@ -277,8 +280,8 @@ def test_replay_and_plot_show_the_rewinds(learning_rate_one, tmp_path):
     events = [row for row in log_rows(output_dir / "healing_log+q.txt")]
     assert events[0] == {"Step": "0", "Event": "healthy", "Detail": ""}
     replayed = tmp_path / "replayed.csv"
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "replay_grad_guard.py"), str(log), "--out",
-                             str(replayed), "--grad_guard_preset", "stable"], capture_output=True, text=True, cwd=REPO)
+    result = run_script_as_main([sys.executable, str(REPO / "tools" / "replay_grad_guard.py"), str(log), "--out",
+                                 str(replayed), "--grad_guard_preset", "stable"], REPO, expect=None)
     assert result.returncode == 0, result.stderr
     rewinds = [row for row in events if row["Event"] == "rewind"]
     assert f"rewinds={len(rewinds)} quarantined=0" in result.stdout
@@ -339,9 +342,10 @@ def test_a_nan_latent_is_quarantined_by_name_and_no_other_image_is_lost(tiny_mod
 
     monkeypatch.setattr(sdxl_train_network.SdxlNetworkTrainer, "backward_window", backward_window)
     monkeypatch.setattr(TrainingData, "__init__", init)
+    # 10 steps: 003.png is in step 2's batch, and steps 3-7 already hold each of the 7 other images (seed 42)
     argv = quickstart_args(tiny_models, quickstart_dataset, tmp_path, "--learning_rate", "5e-3", "--max_train_steps",
-                           "30", "--train_batch_size", "2", "--debug_inject_sample", "003.png=nan",
-                           "--save_state", "--save_every_n_steps", "30")
+                           "10", "--train_batch_size", "2", "--debug_inject_sample", "003.png=nan",
+                           "--save_state", "--save_every_n_steps", "10")
     code, output = train(argv, capsys)
     assert code == 0
     quarantine_lines = [line for line in output.splitlines() if "quarantined" in line and line.startswith("step")]
@@ -353,7 +357,7 @@ def test_a_nan_latent_is_quarantined_by_name_and_no_other_image_is_lost(tiny_mod
     assert "003.png" in {file_of(sample_id) for sample_id in trained[quarantined_at - 1]}
     assert set(seen_after) == {f"{index:03d}.png" for index in range(8)} - {"003.png"}  # no other image lost
     final = output.strip().splitlines()[-1]
-    assert final.startswith("done: 30 steps, 29 trained") and "quarantined samples 1" in final
+    assert final.startswith("done: 10 steps, 9 trained") and "quarantined samples 1" in final
     report = (tmp_path / "q-nan_report.txt").read_text()
     assert "003.png, caption 'a yellow circle', loss nan" in report and "noisy latents NON-FINITE" in report
     recorded = json.loads(read_lora_metadata(str(tmp_path / "q.safetensors"))["ss_quarantined_samples"])
@@ -366,15 +370,16 @@ def test_a_nan_latent_is_quarantined_by_name_and_no_other_image_is_lost(tiny_mod
 def test_healthy_runs_do_not_change_with_the_healing(tiny_models, quickstart_dataset, tmp_path, capsys, monkeypatch):
     """The stable preset with and without its self-healing part: the same bytes when nothing diverges."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # the metadata's start time
-    for name, extra in (("healing", ["--rewind_every_n_steps", "3"]),  # (refused without rewinding)
+    for name, extra in (("healing", ["--rewind_every_n_steps", "2"]),  # (refused without rewinding)
                         ("plain", ["--no-rewind_on_divergence", "--no-quarantine_bad_samples", "--no-nan_report"])):
         code, _ = train(quickstart_args(tiny_models, quickstart_dataset, tmp_path / name, "--learning_rate", "5e-3",
-                                        "--max_train_steps", "8", *extra), capsys)
+                                        "--max_train_steps", "5", *extra), capsys)
         assert code == 0
     healing_dir, plain_dir = tmp_path / "healing", tmp_path / "plain"
     assert (healing_dir / "q.safetensors").read_bytes() == (plain_dir / "q.safetensors").read_bytes()
     assert (healing_dir / "gradient_logs+q.txt").read_text() == (plain_dir / "gradient_logs+q.txt").read_text()
-    assert [row["Step"] for row in log_rows(healing_dir / "healing_log+q.txt")] == ["0", "3", "6"]
+    # two points captured mid-run, each followed by steps that trained from it
+    assert [row["Step"] for row in log_rows(healing_dir / "healing_log+q.txt")] == ["0", "2", "4"]
     assert not (plain_dir / "healing_log+q.txt").exists()
 
 
