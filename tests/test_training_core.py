@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import full_matrix, model_args, run_trainer_output, run_training_process
+from conftest import REPO, SCRIPT_ENV, full_matrix, model_args, run_trainer_output, run_training_process
 
 import library.training.trainer
 import fine_tune
@@ -78,6 +80,15 @@ def test_every_trainable_has_every_hook_the_core_calls():
     for trainer in entry_trainers():
         assert isinstance(trainer.trainable, Trainable)
         assert isinstance(trainer.trainable.kind, str) and hasattr(trainer.trainable, "module")
+
+
+def run_script(script: str, argv: list[str], expect: int | None = 0) -> subprocess.CompletedProcess:
+    """``script`` in a subprocess of its own file (test_fused_training and test_healthy_point use it)."""
+    result = subprocess.run([sys.executable, str(REPO / script), *argv], cwd=REPO, env=SCRIPT_ENV,
+                            capture_output=True, text=True, timeout=600)
+    if expect is not None:
+        assert result.returncode == expect, (result.stdout + result.stderr)[-3000:]
+    return result
 
 
 @pytest.fixture(scope="module")
