@@ -2,7 +2,7 @@
 
     python benchmarks/bench_full_finetune.py --kohya_dir /path/to/kohya/sd-scripts
         --kohya_python /path/to/kohya_venv/bin/python [--work_dir /tmp/bench_full_sdxl] [--steps 3]
-        [--rounds 2] [--resolution 256] [--fused_backward_pass] [--only ours|kohya]
+        [--rounds 2] [--resolution 256] [--fused_backward_pass] [--precision bf16|fp32] [--only ours|kohya]
 
 The model, tokenizers and 4-image dataset are ``benchmarks/bench_full_sdxl.py``'s (built once into
 ``--work_dir``, shared with it): a full-size SDXL base single file with random weights (fp16).
@@ -12,6 +12,9 @@ learning rate) ``--gradient_checkpointing --cache_latents --cache_text_encoder_o
 ``--resolution``, ``--max_train_steps --steps``, ``--save_precision bf16`` (the final checkpoint is written
 and then deleted), plus ``--fused_backward_pass`` with that flag (kohya's Adafactor-only option). kohya's
 ``sdxl_train.py`` runs from ``--kohya_dir`` with ``--kohya_python`` (a venv with kohya's own pins).
+``--precision fp32`` replaces ``--mixed_precision bf16 --full_bf16`` by ``--mixed_precision no`` (float32
+weights and compute, ``--save_precision`` still bf16): for CPUs without bfloat16 kernels (an AMD EPYC with
+AVX2 only runs a bf16 matmul at ~0.3 GFLOP/s against ~40 in float32, so a bf16 step takes hours there).
 
 Measured from outside each trainer, the same way for both: the process is started through a small
 wrapper that only records ``(wall time, CPU time)`` each time the learning-rate scheduler steps (once per
@@ -64,13 +67,15 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def trainer_argv(paths: dict[str, Path], out_dir: Path, steps: int, resolution: int, fused: bool) -> list[str]:
+def trainer_argv(paths: dict[str, Path], out_dir: Path, steps: int, resolution: int, fused: bool,
+                 precision: str = "bf16") -> list[str]:
     return [
         "--pretrained_model_name_or_path", str(paths["model"]), "--tokenizer_cache_dir", str(paths["tokenizers"]),
         "--train_data_dir", str(paths["dataset"]), "--caption_extension", ".txt",
         "--resolution", str(resolution), "--train_batch_size", "1",
         "--output_dir", str(out_dir), "--output_name", "bench_full", "--save_model_as", "safetensors",
-        "--save_precision", "bf16", "--mixed_precision", "bf16", "--full_bf16",
+        "--save_precision", "bf16",
+        *(["--mixed_precision", "bf16", "--full_bf16"] if precision == "bf16" else ["--mixed_precision", "no"]),
         "--optimizer_type", "adafactor", "--optimizer_args", "scale_parameter=False", "relative_step=False",
         "warmup_init=False", "--learning_rate", "1e-6", "--lr_scheduler", "constant",
         "--gradient_checkpointing", "--cache_latents", "--cache_text_encoder_outputs", "--sdpa",
@@ -149,6 +154,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ours, kohya's pairs, back to back (default 2)")
     parser.add_argument("--resolution", type=int, default=256, help="training resolution (default 256)")
     parser.add_argument("--fused_backward_pass", action="store_true", help="both trainers with it")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="bf16: kohya's memory flags "
+                        "(--mixed_precision bf16 --full_bf16, default); fp32: --mixed_precision no, for a CPU "
+                        "without bfloat16 kernels")
     parser.add_argument("--only", choices=["ours", "kohya"], help="run one side only")
     args = parser.parse_args()
     if args.steps < 2:
@@ -160,7 +168,7 @@ def main() -> None:
     sides = {"kohya": (args.kohya_python, kohya_dir / "sdxl_train.py",
                        os.pathsep.join([str(kohya_dir), *filter(None, [args.kohya_pythonpath])])),
              "ours": (sys.executable, REPO / "sdxl_train.py", "")}
-    variant = "fused" if args.fused_backward_pass else "unfused"
+    variant = ("fused" if args.fused_backward_pass else "unfused") + ("" if args.precision == "bf16" else "_fp32")
     results: dict[str, list[dict]] = {"ours": [], "kohya": []}
     for round_index in range(args.rounds):
         for side, (python, script, pythonpath) in sides.items():
@@ -168,7 +176,7 @@ def main() -> None:
                 continue
             out_dir = work_dir / f"out_{side}_{variant}"
             shutil.rmtree(out_dir, ignore_errors=True)
-            argv = trainer_argv(paths, out_dir, args.steps, args.resolution, args.fused_backward_pass)
+            argv = trainer_argv(paths, out_dir, args.steps, args.resolution, args.fused_backward_pass, args.precision)
             result = run_one(f"{side}_{variant}_{round_index}", python, script, argv, args.steps, pythonpath)
             saved = out_dir / "bench_full.safetensors"
             if result["exit_code"] == 0 and not saved.is_file():

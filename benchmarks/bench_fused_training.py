@@ -1,7 +1,8 @@
 """Peak memory and step time of a whole ``sdxl_train.py`` training step, fused backward against unfused.
 
     python benchmarks/bench_fused_training.py [--width 96] [--steps 3] [--resolution 64]
-                                              [--variants unfused fused groups4] [--gradient_checkpointing]
+                                              [--variants unfused fused fused_kept0 fused_kept_third groups4]
+                                              [--gradient_checkpointing]
 
 Where ``benchmarks/bench_fused_backward.py`` times the fused backward alone on full-size SDXL transformer
 layers, this runs the trainer itself (the loop's step path: backward, guard, scaler, healing, EMA hooks,
@@ -14,7 +15,14 @@ keeps a whole previous gradient and which a fused backward turns off: not the sa
 its own process, one after the other:
 
 * ``unfused``: the default step (gradients in ``.grad``, the flat buffer, clip, ``optimizer.step()``);
-* ``fused``: ``--fused_backward_pass`` (a measuring backward, then one that steps each parameter);
+* ``fused``: ``--fused_backward_pass`` (a measuring backward, then one that steps each parameter), the
+  measuring pass keeping what the automatic budget allows (half of the available memory: for these
+  small models every gradient, so no second backward at all);
+* ``fused_kept0``: the same with ``--fused_backward_kept_gradient_gib 0`` (kohya's memory: the second
+  backward computes every gradient again);
+* ``fused_kept_third``: the same keeping a third of the gradients' bytes (about the down blocks and the
+  embeddings, which complete last: what a budget of a full-size SDXL UNet's ~1.5 GiB of them in bf16
+  keeps): the second backward skips the down blocks;
 * ``groups4``: ``--fused_optimizer_groups 4``.
 
 Memory: the child resets the kernel's peak RSS (``/proc/self/clear_refs``) when the run is built (model
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -40,7 +49,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VARIANT_FLAGS = {"unfused": [], "fused": ["--fused_backward_pass"], "groups4": ["--fused_optimizer_groups", "4"]}
+VARIANT_FLAGS = {"unfused": [], "fused": ["--fused_backward_pass"],
+                 "fused_kept0": ["--fused_backward_pass", "--fused_backward_kept_gradient_gib", "0"],
+                 "fused_kept_third": ["--fused_backward_pass"],  # + the budget, from the model's size
+                 "groups4": ["--fused_optimizer_groups", "4"]}
 
 
 def status_kib(field: str) -> int:
@@ -103,6 +115,12 @@ def run_variant(variant: str, paths: dict[str, Path], args: argparse.Namespace, 
             "relative_step=False", "scale_parameter=False", "warmup_init=False", "--learning_rate", "1e-5",
             "--max_grad_norm", "1", "--grad_guard_preset", "minimal", "--save_model_as", "safetensors", "--cache_latents",
             *(["--gradient_checkpointing"] if args.gradient_checkpointing else []), *VARIANT_FLAGS[variant]]
+    if variant == "fused_kept_third":  # a third of the fp32 gradients of the trained UNet
+        from safetensors import safe_open
+        with safe_open(paths["file"], "pt") as weights:
+            unet_bytes = sum(4 * math.prod(weights.get_slice(key).get_shape())
+                             for key in weights.keys() if key.startswith("model.diffusion_model."))
+        argv += ["--fused_backward_kept_gradient_gib", f"{unet_bytes / 3 / 2**30:.6f}"]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     result = subprocess.run([sys.executable, __file__, "--child", *argv], cwd=REPO, env=env, capture_output=True,

@@ -11,18 +11,23 @@ retained graph:
    and drops it: its L2 norm as the guard measures it, its dot product with the previous step's
    gradient (``--grad_cosine_log``), whether it is finite once unscaled (the scaler's overflow check)
    and its unscaled norm as ``clip_grad_norm_`` takes it. One host sync then gives the step's
-   :class:`library.grad_guard.GradientMeasurement`.
+   :class:`library.grad_guard.GradientMeasurement`. The gradients that complete last (the blocks
+   nearest the input, the time embedding) are kept instead of dropped, up to a memory budget
+   (``--fused_backward_kept_gradient_gib``; default half of the memory available).
 2. The loop decides exactly as without fusing (guard, healing), then calls :meth:`FusedBackward.apply`:
    the scaler is told the overflow bit (:meth:`library.loss_scaling.LossScaler.record_step`); on an
-   overflow, or when the loop calls :meth:`FusedBackward.discard` instead, a second backward only drops
-   the gradients (it frees the graph; nothing changes). Otherwise the second backward's hooks unscale
-   each gradient, multiply it by the whole step's clip coefficient, step the optimizer for that
-   parameter (or for its group once the group is complete) and drop it.
+   overflow, or when the loop calls :meth:`FusedBackward.discard` instead, the kept gradients and the
+   graph are dropped (nothing changes). Otherwise a second backward over the other parameters only
+   (``inputs=``: autograd skips the part of the graph only the kept ones need, e.g. the down blocks'
+   recomputation and backward) whose hooks unscale each gradient, multiply it by the whole step's clip
+   coefficient, step the optimizer for that parameter (or for its group once the group is complete) and
+   drop it; then the kept gradients are applied the same way. When every gradient was kept there is no
+   second backward.
 
 The same gradients reach the optimizer, through the same operations, as in an unfused step (unscale,
 ``clip_grad_norm_``, ``optimizer.step()``), so the weights are the unfused run's to float32 rounding
-(bit-identical in the tests). The global RNG state is restored before the second pass, so the state
-after the step is a single backward's. Needs ``--gradient_accumulation_steps 1`` and one process (as
+(bit-identical in the tests; a kept gradient is the tensor the second pass would compute again). The
+global RNG state is restored before the second pass, so the state after the step is a single backward's. Needs ``--gradient_accumulation_steps 1`` and one process (as
 kohya's); see :class:`FusedOptions`.
 
 The loop, per optimizer step::
@@ -45,12 +50,14 @@ The loop, per optimizer step::
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy
+import psutil
 import torch
 
 from library.errors import UserError
@@ -58,8 +65,17 @@ from library.grad_guard import GradientMeasurement, GradientMonitor, _flat_norm
 
 logger = logging.getLogger(__name__)
 
-Backward = Callable[[torch.Tensor, bool], None]
-"""``backward(tensor, retain_graph)``: how the loop runs a backward (e.g. through accelerate)."""
+Backward = Callable[[torch.Tensor, bool, Optional[Sequence[torch.Tensor]]], None]
+"""``backward(tensor, retain_graph, inputs)``: how the loop runs a backward (e.g. through accelerate);
+``inputs`` as ``torch.Tensor.backward`` takes it (None: every leaf)."""
+
+KEPT_GRADIENT_MEMORY_SHARE = 0.5
+"""The automatic budget for the gradients the measuring pass keeps, as a share of the memory available
+(on the device) when a step's measuring pass starts: its activations are then alive, so what is left
+is what the backward can use. Kept gradients only live until the step's update (the next forward
+allocates after they are freed), so the other half is a margin for the backward's own temporaries (a
+recomputed block, the optimizer's float32 copy of one parameter) and for other processes; the budget
+is taken again at every step, so a larger batch later gets less."""
 
 
 # --------------------------------------------------------------------------- options
@@ -84,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(a group waits for its last gradient), any optimizer. Same "
              "two-pass guard as --fused_backward_pass, which wins when both are given. Needs "
              "--gradient_accumulation_steps 1. Default: off (0 too)")
+    group.add_argument(
+        "--fused_backward_kept_gradient_gib", type=float, default=None, metavar="GIB",
+        help="with --fused_backward_pass / --fused_optimizer_groups: the most gradient memory (GiB) the measuring "
+             "backward may keep for the update instead of dropping it: the gradients that complete last (the "
+             "layers nearest the input, the time embedding), so the applying backward skips their part of the "
+             "graph (a full-size SDXL UNet's down blocks: ~1.5 GiB in bf16, about a third of that backward). The "
+             "same weights either way. 0: keep none (kohya's memory: no gradient held). Default: auto, "
+             f"{KEPT_GRADIENT_MEMORY_SHARE:.0%} of the memory available when each step's backward starts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +117,8 @@ class FusedOptions:
 
     fused_backward_pass: bool = False
     groups: int | None = None
+    kept_gradient_gib: float | None = None
+    """``--fused_backward_kept_gradient_gib``: None is the automatic budget (:func:`kept_gradient_budget`)."""
 
     @property
     def enabled(self) -> bool:
@@ -116,7 +142,13 @@ class FusedOptions:
         if per_parameter and groups is not None:
             announce(f"--fused_optimizer_groups {groups} is ignored: --fused_backward_pass is given (as in kohya)")
             groups = None
-        options = cls(per_parameter, groups)
+        kept = getattr(args, "fused_backward_kept_gradient_gib", None)
+        if kept is not None and not (math.isfinite(kept) and kept >= 0):
+            raise UserError(f"--fused_backward_kept_gradient_gib must be a size in GiB >= 0 (0: keep none), got {kept}")
+        options = cls(per_parameter, groups, kept)
+        if kept is not None and not options.enabled:
+            announce("--fused_backward_kept_gradient_gib: no effect without --fused_backward_pass or "
+                     "--fused_optimizer_groups")
         if per_parameter and optimizer_type.rsplit(".", 1)[-1].lower() != "adafactor":
             raise UserError(f"--fused_backward_pass needs --optimizer_type Adafactor (got {optimizer_type}); "
                             f"for another optimizer use --fused_optimizer_groups N")
@@ -238,6 +270,25 @@ def stochastic_round_to_bfloat16_(target: torch.Tensor, source: torch.Tensor, se
     target.view(torch.int16).copy_(bits.view(target.shape))
 
 
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new tensor on ``device`` can take now: the CUDA device's free memory plus what torch's
+    caching allocator holds unused; elsewhere the system's available memory (``psutil``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return psutil.virtual_memory().available
+
+
+def kept_gradient_budget(kept_gradient_gib: float | None, device: torch.device) -> Callable[[], int]:
+    """The measuring pass's budget for kept gradients, in bytes, asked for at each step:
+    ``kept_gradient_gib`` GiB, or (None: automatic) :data:`KEPT_GRADIENT_MEMORY_SHARE` of the memory
+    available on ``device`` at that moment."""
+    if kept_gradient_gib is not None:
+        fixed = int(kept_gradient_gib * 2**30)
+        return lambda: fixed
+    return lambda: int(KEPT_GRADIENT_MEMORY_SHARE * available_memory_bytes(device))
+
+
 def _is_adafactor(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__name__ == "Adafactor" and type(optimizer).__module__.startswith("transformers")
 
@@ -265,6 +316,12 @@ class FusedBackward:
       the pass, without them (as an unfused optimizer skips a parameter whose ``.grad`` is None).
     * ``max_grad_norm``: ``clip_grad_norm_`` over all trainable parameters with the whole step's norm
       (kohya's fused paths clip each tensor on its own; this is the unfused semantics).
+    * ``kept_gradient_bytes``: the budget (bytes, or a function giving it at each step) for gradients the
+      measuring pass keeps for :meth:`apply` instead of dropping them: the ones that complete last, as
+      many as fit (a gradient completing beyond the budget pushes out the earliest kept). They are
+      applied before the second pass, which then computes only the other parameters' gradients
+      (``backward(inputs=...)``). 0: the second pass computes every gradient again. Pruning the graph
+      needs non-reentrant checkpointing (diffusers' and transformers' default) where checkpointing is on.
     * ``scaler``: a :class:`library.loss_scaling.LossScaler`; the loss given to :meth:`measure` is then
       the scaled one. ``cosine``: keep the previous step's gradient for the cosine log (a flat float32
       buffer as large as the trainable parameters: the memory of one full gradient). ``unscaled``:
@@ -277,7 +334,8 @@ class FusedBackward:
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, per_parameter: bool,
                  max_grad_norm: float | None = None, scaler: Any = None, cosine: bool = False,
-                 unscaled: bool = False, rounding_seed: int = 0, backward: Backward | None = None) -> None:
+                 unscaled: bool = False, rounding_seed: int = 0, backward: Backward | None = None,
+                 kept_gradient_bytes: int | Callable[[], int] = 0) -> None:
         distributed = torch.distributed
         if distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1:
             raise UserError("--fused_backward_pass / --fused_optimizer_groups work with one process only "
@@ -291,7 +349,9 @@ class FusedBackward:
         self.cosine = cosine
         self.unscaled = unscaled
         self.rounding_seed = int(rounding_seed)
-        self._backward = backward or (lambda tensor, retain: tensor.backward(retain_graph=retain))
+        self._backward = backward or (lambda tensor, retain, inputs: tensor.backward(retain_graph=retain,
+                                                                                     inputs=inputs))
+        self._kept_budget = kept_gradient_bytes if callable(kept_gradient_bytes) else (lambda: kept_gradient_bytes)
 
         # (parameter, its optimizer index, its group's index) in optimizer/group order: the order
         # clip_grad_norm_ and the guard see the parameters in an unfused step. The group dict itself is
@@ -337,6 +397,16 @@ class FusedBackward:
         self.peak_gradient_bytes = 0
         """The most gradient bytes the hooks held at once in the last :meth:`apply` (groups awaiting their step)."""
         self._held_bytes = 0
+        self._keep_limit = 0
+        self._kept: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        self._kept_bytes = 0
+        self.kept_gradient_bytes = 0
+        """The gradient bytes the last :meth:`measure` kept for the update (at most its budget)."""
+        self.recomputed_gradients = 0
+        """How many gradients the last :meth:`apply`'s second pass computed (the rest were kept)."""
+        self._outer_task: int | None = None  # the measuring backward's autograd graph task
+        self._reentrant = False  # a nested backward (reentrant checkpointing) ran during the measuring pass
+        self._apply_computed: list[bool] = []  # per parameter: its gradient comes from the second pass
         self._handles = [parameter.register_post_accumulate_grad_hook(self._hook(index))
                          for index, parameter in enumerate(self.parameters)]
 
@@ -359,12 +429,25 @@ class FusedBackward:
         self._found_inf.zero_()
         self._clip_norms.clear()
         self._received = [False] * len(self._entries)
+        self._kept.clear()
+        self._kept_bytes = 0
+        self._keep_limit = max(0, int(self._kept_budget()))
         scale = self.scaler.get_scale_tensor() if self.scaler is not None else None
         if scale is not None:
             self._inverse_scale = scale.double().reciprocal().float().to(self.device)  # as LossScaler.unscale_
         rng_state = _rng_state()
-        self._run("measure", loss, retain=True)
+        # Reentrant checkpointing runs a nested backward per block, which refuses backward(inputs=...): the
+        # root node's graph task, against the hooks' own, tells whether the second pass may be pruned.
+        self._reentrant = False
+        self._outer_task = None
+        root = loss.grad_fn.register_prehook(self._note_outer_task) if loss.grad_fn is not None else None
+        try:
+            self._run("measure", loss, retain=True)
+        finally:
+            if root is not None:
+                root.remove()
         self._pending = (loss, rng_state)
+        self.kept_gradient_bytes = self._kept_bytes
         if self.cosine:
             for index, received in enumerate(self._received):
                 if not received:  # no gradient counts as zero, as in GradientMonitor
@@ -382,9 +465,11 @@ class FusedBackward:
         return dataclasses.replace(measured, riders=measured.riders[1:])
 
     def apply(self) -> bool:
-        """Second pass: unscale, clip with the whole step's coefficient, step and drop each gradient. With
-        a scaler, first tells it the step's overflow bit (``record_step``); on an overflow nothing is
-        updated (the pass only frees the graph) and False is returned. Call ``scaler.update()`` after."""
+        """The update: clip with the whole step's coefficient, step and drop each gradient: the ones a
+        second pass over the graph computes as they appear (unscaled there), then the kept ones (unscaled
+        by the measuring pass). With a scaler, first tells it the step's overflow bit
+        (``record_step``); on an overflow nothing is updated (the graph is dropped) and False is returned.
+        Call ``scaler.update()`` after."""
         if self._pending is None:
             raise RuntimeError("FusedBackward.apply() needs measure() first")
         if self.scaler is not None and not self.scaler.record_step(self.overflow):
@@ -392,12 +477,33 @@ class FusedBackward:
             return False
         loss, rng_state = self._pending
         self._pending = None
+        kept, self._kept = self._kept, collections.deque()
+        self._kept_bytes = 0
         underlying = list({id(o): o for o in (getattr(o, "optimizer", o) for o in self.optimizers)}.values())
         state_sizes = [len(optimizer.state) for optimizer in underlying]
         self._pending_counts = [0] * len(self.optimizers)
         self._held_bytes = self.peak_gradient_bytes = 0
+        computed = list(self._received)
+        for index, _ in kept:
+            computed[index] = False
+        inputs = [parameter for parameter, needed in zip(self.parameters, computed) if needed]
+        self.recomputed_gradients = 0
+        self._apply_computed = computed
         _set_rng_state(rng_state)
-        self._run("apply", loss, retain=False)
+        if inputs:  # else every gradient was kept: no second pass (the graph goes with the loss)
+            # pruned to the gradients still needed, unless nothing was kept (every leaf, as an unfused
+            # backward) or a reentrant checkpoint forbids it (then the hooks drop the kept ones' again)
+            pruned = len(inputs) < sum(self._received) and not self._reentrant
+            self._run("apply", loss, retain=False, inputs=inputs if pruned else None)
+        del loss
+        # The kept ones last: the second pass may recompute a checkpointed block with their weights, which
+        # must still be the step's (a parameter stepped in its hook is one whose every use is behind).
+        while kept:
+            index, grad = kept.popleft()
+            parameter = self.parameters[index]
+            parameter.grad = grad
+            del grad
+            self._apply_one(index, parameter, unscaled=True)
         for optimizer_index, count in enumerate(self._pending_counts):
             if count:  # a group some of whose parameters got no gradient
                 self._step_group(optimizer_index)
@@ -407,14 +513,16 @@ class FusedBackward:
         return True
 
     def discard(self) -> None:
-        """Second pass that only drops the gradients: frees the retained graph, changes nothing (a step the
-        guard or the healing policy skips; the scaler is not told)."""
+        """Drop the kept gradients and the retained graph (no second pass), changing nothing: a step the
+        guard or the healing policy skips (the scaler is not told), or a scaler overflow."""
         if self._pending is None:
             raise RuntimeError("FusedBackward.discard() needs measure() first")
-        loss, rng_state = self._pending
-        self._pending = None
+        _, rng_state = self._pending
+        self._pending = None  # the graph's saved tensors go with the loss, the caller's last reference
+        self._kept.clear()
+        self._kept_bytes = 0
+        self.recomputed_gradients = 0
         _set_rng_state(rng_state)
-        self._run("discard", loss, retain=False)
 
     def remove(self) -> None:
         """Remove the hooks (the parameters then train unfused)."""
@@ -438,10 +546,11 @@ class FusedBackward:
         self._monitor.load_state_dict(state)
 
     # -- internals
-    def _run(self, mode: str, loss: torch.Tensor, retain: bool) -> None:
+    def _run(self, mode: str, loss: torch.Tensor, retain: bool,
+             inputs: Optional[Sequence[torch.Tensor]] = None) -> None:
         self._mode = mode
         try:
-            self._backward(loss, retain)
+            self._backward(loss, retain, inputs)
         finally:
             self._mode = None
 
@@ -450,10 +559,15 @@ class FusedBackward:
             if self._mode == "measure":
                 self._measure_one(index, parameter)
             elif self._mode == "apply":
-                self._apply_one(index, parameter)
-            elif self._mode == "discard":
-                parameter.grad = None
+                self.recomputed_gradients += 1
+                if self._apply_computed[index]:
+                    self._apply_one(index, parameter, unscaled=False)
+                else:  # kept (applied after this pass): an unpruned second pass computed it again
+                    parameter.grad = None
         return hook
+
+    def _note_outer_task(self, _: Any) -> None:
+        self._outer_task = torch._C._current_graph_task_id()
 
     @torch.no_grad()
     def _measure_one(self, index: int, parameter: torch.Tensor) -> None:
@@ -461,6 +575,8 @@ class FusedBackward:
         if grad.is_sparse:
             raise RuntimeError("fused backward does not support sparse gradients")
         self._received[index] = True
+        if torch._C._current_graph_task_id() != self._outer_task:
+            self._reentrant = True
         flat = grad.reshape(-1)
         self._guard_norms[index] = _flat_norm(flat)  # the guard's norm: the scaled gradient
         if self._dots is not None:
@@ -473,11 +589,18 @@ class FusedBackward:
         if self.max_grad_norm is not None:
             self._clip_norms[index] = torch._foreach_norm([grad], 2.0)[0]  # as clip_grad_norm_, unscaled
         parameter.grad = None
+        if self._keep_limit:  # the latest gradients, as many as fit: the ones the second pass can then skip
+            self._kept.append((index, grad))
+            self._kept_bytes += grad.numel() * grad.element_size()
+            while self._kept_bytes > self._keep_limit:
+                _, dropped = self._kept.popleft()
+                self._kept_bytes -= dropped.numel() * dropped.element_size()
 
     @torch.no_grad()
-    def _apply_one(self, index: int, parameter: torch.Tensor) -> None:
+    def _apply_one(self, index: int, parameter: torch.Tensor, unscaled: bool) -> None:
+        """Clip, step and drop ``parameter``'s gradient; ``unscaled``: the measuring pass unscaled it (kept)."""
         grad = parameter.grad
-        if self.scaler is not None:
+        if self.scaler is not None and not unscaled:
             torch._amp_foreach_non_finite_check_and_unscale_([grad], self._apply_found_inf, self._inverse_scale)
         if self._clip_coefficient is not None:
             torch._foreach_mul_([grad], self._clip_coefficient)

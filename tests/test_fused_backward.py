@@ -1,12 +1,16 @@
 """Fused backward (library/fused_backward.py): the update applied during the backward gives the unfused
 run's weights, guard decisions, scaler scale and optimizer state, with guard skips and scaler overflows
-in the run; no gradient outlives its hook; bf16 stochastic rounding is unbiased; kohya's group split.
+in the run, whether the measuring pass keeps none, some or all of the gradients for the update; no
+gradient outlives its step; the second pass skips what only the kept gradients need; bf16 stochastic
+rounding is unbiased; kohya's group split.
 
 Why equality is exact here (torch.equal, not a tolerance): each gradient reaching the optimizer is the
 same tensor an unfused backward produces (the same graph, backward twice; the RNG restored between),
 unscaled by the same elementwise multiply, clipped by the same coefficient (the same per-tensor norms
 stacked in the same order), and stepped by the optimizer's own step code on the same inputs: every
-operation on every element is the unfused one. Only the guard's norm is combined in another order
+operation on every element is the unfused one. A gradient the measuring pass keeps is that pass's
+tensor, which is the second pass's (the same graph; autograd pruned to fewer inputs runs the same nodes
+for the rest, in the same order). Only the guard's norm is combined in another order
 (per parameter, then over parameters, against the flat buffer's rows of 4096): its relative difference
 is bounded by float32 summation error, (rows + row length) * eps.
 """
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import io
 import math
+import weakref
 
 import numpy
 import pytest
@@ -62,10 +68,12 @@ def unet_loss(unet: torch.nn.Module, step: int, autocast: bool = False, spike_st
 def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per_parameter: bool = True,
         max_grad_norm: float | None = 1.0, scaler_args: dict | None = None, autocast: bool = False,
         spike_step: int | None = None, spike: float = SPIKE, loss_fn=unet_loss, state: dict | None = None,
-        cosine: bool = False):
+        cosine: bool = False, kept_gradient_bytes: int = 0, passes: list | None = None):
     """Train a copy of ``model`` for ``steps`` steps, unfused (the trainer's order: backward, measure,
     guard, unscale, clip, step, update) or fused; return the model, optimizers, scaler, per-step log and
-    the most parameters that held a gradient at once after a fused hook ran (0 when fused per parameter)."""
+    the most parameters that held a gradient at once after a fused hook ran (0 when fused per parameter).
+    ``kept_gradient_bytes``: the fused measuring pass's budget; ``passes`` (a list) gets, per fused step,
+    (bytes kept, gradients the second pass computed)."""
     model = copy.deepcopy(model)
     optimizers = make_optimizers(model)
     scaler = LossScaler(DynamicPolicy(**scaler_args)) if scaler_args else None
@@ -75,10 +83,10 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
         for optimizer, saved in zip(optimizers, state["optimizers"]):
             optimizer.load_state_dict(copy.deepcopy(saved))  # loading keeps the tensors; stepping changes them
     fused_step = FusedBackward(optimizers, per_parameter=per_parameter, max_grad_norm=max_grad_norm,
-                               scaler=scaler, cosine=cosine) if fused else None
+                               scaler=scaler, cosine=cosine, kept_gradient_bytes=kept_gradient_bytes) if fused else None
     monitor = None if fused else GradientMonitor(params, cosine=cosine)
     most_held = [0]
-    if fused:
+    if fused and not kept_gradient_bytes:
         def count_held(_: torch.Tensor) -> None:  # registered after the fused hooks: runs after each of them
             most_held[0] = max(most_held[0], sum(p.grad is not None for p in params))
         for parameter in params:
@@ -115,6 +123,8 @@ def run(model: torch.nn.Module, make_optimizers, steps: int, *, fused: bool, per
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in params), "a gradient outlived its step"
+        if fused and passes is not None:
+            passes.append((fused_step.kept_gradient_bytes, fused_step.recomputed_gradients))
         log.append((step, measured.norm, skip, stepped, scaler.get_scale() if scaler else None, measured.cosine))
     return model, optimizers, scaler, log, most_held[0]
 
@@ -184,6 +194,95 @@ def test_gradient_checkpointing_unet(tiny_unet):
     assert_same_run(run(unet, adafactor, 2, fused=False), run(unet, adafactor, 2, fused=True))
 
 
+def gradient_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def checkpointed_unet(unet: torch.nn.Module) -> torch.nn.Module:
+    unet = copy.deepcopy(unet)
+    unet.enable_gradient_checkpointing()
+    unet.train()
+    return unet
+
+
+@pytest.mark.parametrize("share", [0.4, 1.0])
+def test_kept_gradients_give_the_unfused_run(tiny_unet, share):
+    """The measuring pass keeps the gradients that complete last, up to a budget (40% of all of them, or
+    all: then no second pass at all), with gradient checkpointing, a guard skip (step 3) and the clip:
+    the same weights, decisions and optimizer state as unfused; the second pass computes only the others."""
+    unet = checkpointed_unet(tiny_unet)
+    budget = int(share * gradient_bytes(unet))
+    passes: list = []
+    unfused = run(unet, adafactor, 4, fused=False, spike_step=3)
+    fused = run(unet, adafactor, 4, fused=True, spike_step=3, kept_gradient_bytes=budget, passes=passes)
+    assert_same_run(unfused, fused)
+    count = len(list(unet.parameters()))
+    applied = [row for row, log_row in zip(passes, fused[3]) if not log_row[2]]
+    assert len(applied) == 3 and all(0 < kept <= budget for kept, _ in passes)
+    if share == 1.0:
+        assert all(kept == budget and recomputed == 0 for kept, recomputed in applied)
+    else:
+        assert all(0 < recomputed < count for _, recomputed in applied)
+        # a gradient more would not have fitted: the budget is used up to the next gradient's size
+        largest = max(p.numel() * p.element_size() for p in unet.parameters())
+        assert all(kept > budget - largest for kept, _ in passes)
+
+
+def test_the_second_pass_skips_the_kept_gradients_part_of_the_graph(tiny_unet):
+    """With the down blocks' and the time embedding's gradients kept (they complete last), the applying
+    pass never reaches the down blocks: their checkpointed blocks are recomputed once per step (by the
+    measuring pass) instead of twice; the up blocks still are, and every weight still moves as unfused.
+    (Counted by forward pre-hooks: torch stops a recomputation early, once it has what the backward
+    needs, so a forward hook would not see it.)"""
+    unet = checkpointed_unet(tiny_unet)
+    late = [module for module in (unet.conv_in, unet.time_embedding, unet.add_embedding, *unet.down_blocks)]
+    budget = sum(p.numel() * p.element_size() for module in late for p in module.parameters())
+    calls = {"down": 0, "up": 0}
+    unet.down_blocks[0].resnets[0].register_forward_pre_hook(lambda *_: calls.__setitem__("down", calls["down"] + 1))
+    unet.up_blocks[-1].resnets[0].register_forward_pre_hook(lambda *_: calls.__setitem__("up", calls["up"] + 1))
+    results = {}
+    for kept in (0, budget):
+        calls.update(down=0, up=0)
+        passes: list = []
+        results[kept] = run(unet, adafactor, 2, fused=True, kept_gradient_bytes=kept, passes=passes)
+        # deepcopy inside run() copies the hooks too: the counts are the trained copy's
+        results[kept] = (results[kept], dict(calls), passes)
+    (plain, plain_calls, _), (kept_run, kept_calls, kept_passes) = results[0], results[budget]
+    assert plain_calls == {"down": 2 * 3, "up": 2 * 3}  # forward + the recomputation in each of two passes
+    assert kept_calls == {"down": 2 * 2, "up": 2 * 3}
+    assert all(0 < kept <= budget for kept, _ in kept_passes)
+    for a, b in zip(plain[0].parameters(), kept_run[0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_graph_is_freed_after_apply_and_discard(tiny_unet):
+    """No second pass (all kept) and a discarded step (no backward at all) still release every tensor
+    the graph saved: nothing but the caller's loss held it."""
+    unet = copy.deepcopy(tiny_unet)
+    optimizer = adafactor(unet)[0]
+    fused = FusedBackward([optimizer], per_parameter=True, kept_gradient_bytes=gradient_bytes(unet))
+    parameters = {id(p) for p in unet.parameters()}
+    for finish in (fused.apply, fused.discard):
+        saved: list[weakref.ref] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) in parameters:
+                return tensor
+            # detached: a saved output would otherwise hold its own node (a cycle autograd avoids itself)
+            detached = tensor.detach()
+            saved.append(weakref.ref(detached))
+            return detached
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = unet_loss(unet, 1)
+        fused.measure(loss)
+        del loss
+        finish()
+        gc.collect()
+        assert saved and all(ref() is None for ref in saved), finish.__name__
+        assert all(p.grad is None for p in unet.parameters())
+
+
 def test_fused_groups_adamw_equal_one_unfused_adamw(tiny_unet):
     """--fused_optimizer_groups 3 with AdamW (3 optimizers, each stepped when its gradients are ready)
     gives the weights of one unfused AdamW over all parameters (AdamW's update is per parameter)."""
@@ -195,6 +294,10 @@ def test_fused_groups_adamw_equal_one_unfused_adamw(tiny_unet):
         return [torch.optim.AdamW([group], lr=1e-3, weight_decay=0.01) for group in groups]
 
     unfused = run(tiny_unet, one_adamw, 3, fused=False, spike_step=2)
+    kept = run(tiny_unet, three_adamws, 3, fused=True, per_parameter=False, spike_step=2,
+               kept_gradient_bytes=gradient_bytes(tiny_unet) // 2)  # a group's gradients partly kept
+    for a, b in zip(unfused[0].parameters(), kept[0].parameters()):
+        assert torch.equal(a, b)
     fused = run(tiny_unet, three_adamws, 3, fused=True, per_parameter=False, spike_step=2)
     assert len(fused[1]) == 3
     # never the full gradient: a group is freed when it steps. (Not one group at most: kohya splits by
@@ -220,6 +323,8 @@ def test_scaler_overflow_step_fused_equals_unfused(tiny_unet):
     common = dict(scaler_args=scaler_args, autocast=True, spike_step=4, spike=100.0)
     unfused = run(tiny_unet, adafactor, 5, fused=False, **common)
     fused = run(tiny_unet, adafactor, 5, fused=True, **common)
+    assert_same_run(unfused, run(tiny_unet, adafactor, 5, fused=True, kept_gradient_bytes=gradient_bytes(tiny_unet) // 3,
+                                 **common))  # kept gradients: unscaled once, by the measuring pass
     kept = (False, True, 2.0**10)
     assert [(row[2], row[3], row[4]) for row in unfused[3]] == [(False, False, 2.0**10), kept, kept,
                                                                (True, False, 2.0**10), kept]
@@ -270,18 +375,28 @@ def dropout_loss(model, step, autocast=False, spike_step=None, spike=SPIKE):
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_dropout_and_checkpointing_rng(use_reentrant):
+@pytest.mark.parametrize("kept", [0, 6_000])
+def test_dropout_and_checkpointing_rng(use_reentrant, kept):
     """Dropout under gradient checkpointing, both of torch's kinds (the backward recomputes the block with
     its saved RNG state): the same weights, and the global RNG after the run is the unfused run's (so
-    later draws are too). The cosine log's column matches too (from step 2 on; nan on step 1)."""
+    later draws are too). The cosine log's column matches too (from step 2 on; nan on step 1). With
+    6000 bytes kept (the stem's and the block's first layer: 5440 bytes, the last 4 of 8 tensors to
+    complete): the second pass computes the other 4; reentrant checkpointing refuses a pruned pass, so
+    there it computes all 8 and drops the kept ones' (applied once)."""
     results = []
+    passes: list = []
     for fused in (False, True):
         torch.manual_seed(123)
         result = run(DropoutNet(use_reentrant), adafactor, 4, fused=fused, loss_fn=dropout_loss, spike_step=3,
-                     cosine=True)
+                     cosine=True, kept_gradient_bytes=kept, passes=passes)
         results.append((result, torch.get_rng_state()))
     (unfused, rng_a), (fused, rng_b) = results
     assert_same_run(unfused, fused)
+    total = len(list(fused[0].parameters()))
+    if kept:
+        assert all(0 < kept_bytes <= kept for kept_bytes, _ in passes)
+        # the skipped step 3 runs no second pass; unpruned (reentrant), every gradient is computed again
+        assert [computed for _, computed in passes][:2] == ([total] * 2 if use_reentrant else [4] * 2)
     assert math.isnan(fused[3][0][5]) and all(-1 <= row[5] <= 1 for row in fused[3][1:])
     assert torch.equal(rng_a, rng_b)
 
@@ -358,7 +473,12 @@ def test_options_refuse_what_cannot_work():
         parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
         return FusedOptions.from_args(parser.parse_args(list(argv)), optimizer, announce=lambda line: None)
 
-    assert options("--fused_backward_pass", optimizer="Adafactor") == FusedOptions(True, None)
+    assert options("--fused_backward_pass", optimizer="Adafactor") == FusedOptions(True, None, None)
+    assert options("--fused_backward_pass", "--fused_backward_kept_gradient_gib", "1.5",
+                   optimizer="Adafactor").kept_gradient_gib == 1.5
+    for wrong in ("-1", "nan", "inf"):
+        with pytest.raises(UserError, match="--fused_backward_kept_gradient_gib must be a size in GiB >= 0"):
+            options("--fused_backward_pass", "--fused_backward_kept_gradient_gib", wrong, optimizer="Adafactor")
     assert options("--fused_optimizer_groups", "4") == FusedOptions(False, 4)
     assert options("--fused_optimizer_groups", "0") == FusedOptions(False, None)
     assert options("--fused_backward_pass", "--fused_optimizer_groups", "4", optimizer="Adafactor").groups is None

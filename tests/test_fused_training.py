@@ -40,14 +40,14 @@ def dataset(tmp_path_factory) -> Path:
     return root
 
 
-def train(tiny_models, dataset: Path, output_dir: Path, options: list[str], capsys) -> str:
+def train(tiny_models, dataset: Path, output_dir: Path, options: list[str], capsys) -> list[str]:
     capsys.readouterr()
     run_trainer("sdxl_train", model_args(tiny_models, "sdxl") + [
         "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64", "--seed", "1",
         "--max_data_loader_n_workers", "0", "--output_dir", str(output_dir), "--output_name", "ft", *STEPS,
         "--save_model_as", "safetensors", "--save_state_on_train_end", "--grad_norm_log", "--max_grad_norm", "1",
         *FORCED_SKIP, *options])
-    return capsys.readouterr().out.strip().splitlines()[-1]
+    return capsys.readouterr().out.strip().splitlines()
 
 
 def components(output_dir: Path) -> dict:
@@ -56,13 +56,27 @@ def components(output_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options, fused", [
-    (["--optimizer_type", "Adafactor", "--mixed_precision", "fp16"], ["--fused_backward_pass"]),
+    # a third of the tiny UNet's 12.4 MB of gradients kept: the second pass pruned to the rest
+    (["--optimizer_type", "Adafactor", "--mixed_precision", "fp16"],
+     ["--fused_backward_pass", "--fused_backward_kept_gradient_gib", "0.004"]),
+    # none kept: the second pass computes every gradient again
     (["--optimizer_type", "AdamW", "--learning_rate", "1e-3", "--mixed_precision", "fp16"],
-     ["--fused_optimizer_groups", "3"]),
-], ids=["fused_backward_pass-adafactor", "fused_optimizer_groups-adamw"])
+     ["--fused_optimizer_groups", "3", "--fused_backward_kept_gradient_gib", "0"]),
+], ids=["fused_backward_pass-adafactor-kept", "fused_optimizer_groups-adamw"])
 def test_fused_trains_the_unfused_weights_through_a_guard_skip(options, fused, tiny_models, dataset, tmp_path, capsys):
-    unfused_end = train(tiny_models, dataset, tmp_path / "unfused", options, capsys)
-    fused_end = train(tiny_models, dataset, tmp_path / "fused", options + fused, capsys)
+    """Through the trainer's step path (accelerate's backward, the announced second pass), the scaler and the
+    guard's skip, with a third of the gradients kept by the measuring pass, or none."""
+    unfused_end = train(tiny_models, dataset, tmp_path / "unfused", options, capsys)[-1]
+    fused_lines = train(tiny_models, dataset, tmp_path / "fused", options + fused, capsys)
+    fused_end = fused_lines[-1]
+    passes = [re.search(r"kept ([\d.e-]+) GiB .* computed (\d+) of (\d+) gradients again", line)
+              for line in fused_lines if line.startswith("fused backward: ")]
+    assert len(passes) == 1 and passes[0], fused_lines
+    kept_gib, computed, count = float(passes[0][1]), int(passes[0][2]), int(passes[0][3])
+    if "0.004" in fused:
+        assert 0 < kept_gib <= 0.004 and 0 < computed < count
+    else:
+        assert kept_gib == 0 and computed == count
     for end in (unfused_end, fused_end):  # a skipped step and applied ones in each run
         assert re.match(r"done: 3 steps, [12] trained; skipped: guard [12],", end), end
     assert fused_end == unfused_end
@@ -86,7 +100,9 @@ def test_fused_trains_the_unfused_weights_through_a_guard_skip(options, fused, t
 @pytest.mark.slow
 def test_fused_killed_then_resumed_gives_the_uninterrupted_bytes(tiny_models, dataset, tmp_path):
     """bf16 weights with the fused Adafactor: stochastic rounding drawn from (seed, parameter, step), so a
-    resumed run draws what the uninterrupted one drew."""
+    resumed run draws what the uninterrupted one drew. The runs before the kill keep every gradient of the
+    tiny UNet (the automatic budget); the resumed one keeps none: the budget changes the memory, never the
+    bytes, so a state resumes under another one."""
     def argv(output_dir: Path) -> list[str]:
         return model_args(tiny_models, "sdxl") + [
             "--train_data_dir", str(dataset), "--caption_extension", ".txt", "--resolution", "64", "--seed", "3",
@@ -100,7 +116,8 @@ def test_fused_killed_then_resumed_gives_the_uninterrupted_bytes(tiny_models, da
     run_trainer_output("sdxl_train", argv(tmp_path / "whole"))
     killed = run_script("sdxl_train.py", argv(tmp_path / "killed") + ["--debug_kill_in_state_write", "3"], expect=None)
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_trainer_output("sdxl_train", argv(tmp_path / "killed") + ["--resume", "auto"])
+    resumed = run_trainer_output("sdxl_train", argv(tmp_path / "killed") + [
+        "--resume", "auto", "--fused_backward_kept_gradient_gib", "0"])
     assert "resumed at step 2 " in resumed
     for name in ("ft.safetensors", "gradient_logs+ft.txt"):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

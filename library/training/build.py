@@ -212,8 +212,9 @@ def build_optimization(args: argparse.Namespace, accelerator: Accelerator, train
             [optimizer] if fused.fused_backward_pass else fused_backward.group_steps(optimizer),
             per_parameter=fused.fused_backward_pass, max_grad_norm=args.max_grad_norm, scaler=scaler,
             cosine=log_cosine, unscaled=args.grad_norm_unscaled, rounding_seed=args.seed,
-            backward=lambda tensor, retain: accelerator.backward(tensor, retain_graph=retain))
-        monitor, gradient_step = fused_pass.monitor, step_paths.FusedStep(fused_pass)
+            backward=lambda tensor, retain, inputs: accelerator.backward(tensor, retain_graph=retain, inputs=inputs),
+            kept_gradient_bytes=fused_backward.kept_gradient_budget(fused.kept_gradient_gib, accelerator.device))
+        monitor, gradient_step = fused_pass.monitor, step_paths.FusedStep(fused_pass, announce=tqdm.write)
     else:
         monitor = grad_guard.GradientMonitor(gradients, cosine=log_cosine, unscaled=args.grad_norm_unscaled)
         gradient_step = step_paths.UnfusedStep(accelerator)

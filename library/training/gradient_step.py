@@ -10,12 +10,13 @@ The loop's order is the same for both; only where the gradients live differs:
 * :class:`FusedStep` (``--fused_backward_pass`` / ``--fused_optimizer_groups``, full fine-tuners): the
   window's one backward is kept for ``measure``, which runs the measuring pass of
   ``library.fused_backward.FusedBackward`` (the whole step's norm, the scaler's overflow check, the clip
-  norm; no gradient kept); ``apply`` runs the second pass that steps each parameter (or group) as its
-  gradient appears, ``discard`` one that only drops them. docs/fused_backward.md.
+  norm; only the gradients that complete last are kept, within a memory budget); ``apply`` steps the kept
+  ones, then runs the second pass that steps each other parameter (or group) as its gradient appears,
+  ``discard`` drops the kept gradients and the graph. docs/fused_backward.md.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -59,9 +60,10 @@ class FusedStep:
     """The update applied during a second backward over the window's graph (``FusedBackward``): no full
     gradient is held. One micro-batch per step (``--gradient_accumulation_steps 1``, checked before)."""
 
-    def __init__(self, fused: FusedBackward) -> None:
+    def __init__(self, fused: FusedBackward, announce: Callable[[str], None] = print) -> None:
         self.fused_backward = fused
         self._objective: Optional[torch.Tensor] = None
+        self._announce: Optional[Callable[[str], None]] = announce  # once, after the first applied step
 
     def backward(self, objective: torch.Tensor) -> None:
         """Keep the (scaled) objective: ``measure`` runs its backward."""
@@ -81,7 +83,14 @@ class FusedStep:
         """Unscale, clip (the whole step's coefficient) and step each parameter as the second pass reaches
         it; the scaler and the LR schedule as ``Trainer.optimizer_step`` (the schedule advances only when
         the step was applied)."""
-        stepped = self.fused_backward.apply()  # False: the scaler found inf/NaN, nothing changed
+        fused = self.fused_backward
+        stepped = fused.apply()  # False: the scaler found inf/NaN, nothing changed
+        if stepped and self._announce is not None:
+            self._announce(
+                f"fused backward: the measuring pass kept {fused.kept_gradient_bytes / 2**30:.3g} GiB of the gradients "
+                f"that complete last; the applying pass computed {fused.recomputed_gradients} of "
+                f"{len(fused.parameters)} gradients again (--fused_backward_kept_gradient_gib)")
+            self._announce = None
         if optimization.scaler is not None:
             optimization.scaler.update()
         if stepped:
