@@ -3,6 +3,7 @@
     python benchmarks/bench_full_finetune.py --kohya_dir /path/to/kohya/sd-scripts
         --kohya_python /path/to/kohya_venv/bin/python [--work_dir /tmp/bench_full_sdxl] [--steps 3]
         [--rounds 2] [--resolution 256] [--fused_backward_pass] [--precision bf16|fp32] [--only ours|kohya]
+        [--ours_args "--fused_backward_kept_gradient_gib 0"]
 
 The model, tokenizers and 4-image dataset are ``benchmarks/bench_full_sdxl.py``'s (built once into
 ``--work_dir``, shared with it): a full-size SDXL base single file with random weights (fp16).
@@ -158,6 +159,8 @@ def main() -> None:
                         "(--mixed_precision bf16 --full_bf16, default); fp32: --mixed_precision no, for a CPU "
                         "without bfloat16 kernels")
     parser.add_argument("--only", choices=["ours", "kohya"], help="run one side only")
+    parser.add_argument("--ours_args", default="", help="more options for our trainer only, one string (e.g. "
+                        "'--fused_backward_kept_gradient_gib 0': kohya's memory, every gradient computed twice)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps: at least 2 (the first step is not timed)")
@@ -177,6 +180,8 @@ def main() -> None:
             out_dir = work_dir / f"out_{side}_{variant}"
             shutil.rmtree(out_dir, ignore_errors=True)
             argv = trainer_argv(paths, out_dir, args.steps, args.resolution, args.fused_backward_pass, args.precision)
+            if side == "ours":
+                argv += args.ours_args.split()
             result = run_one(f"{side}_{variant}_{round_index}", python, script, argv, args.steps, pythonpath)
             saved = out_dir / "bench_full.safetensors"
             if result["exit_code"] == 0 and not saved.is_file():

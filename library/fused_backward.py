@@ -370,6 +370,7 @@ class FusedBackward:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.parameters = [parameter for parameter, _, _ in self._entries]
         self.numel = sum(parameter.numel() for parameter in self.parameters)
+        self._gradient_bytes = sum(parameter.numel() * parameter.element_size() for parameter in self.parameters)
         self._group_sizes = [0] * len(self.optimizers)
         for _, optimizer_index, _ in self._entries:
             self._group_sizes[optimizer_index] += 1
@@ -404,6 +405,7 @@ class FusedBackward:
         """The gradient bytes the last :meth:`measure` kept for the update (at most its budget)."""
         self.recomputed_gradients = 0
         """How many gradients the last :meth:`apply`'s second pass computed (the rest were kept)."""
+        self._retained = True  # whether the last measuring pass retained the graph for a second one
         self._outer_task: int | None = None  # the measuring backward's autograd graph task
         self._reentrant = False  # a nested backward (reentrant checkpointing) ran during the measuring pass
         self._apply_computed: list[bool] = []  # per parameter: its gradient comes from the second pass
@@ -413,7 +415,9 @@ class FusedBackward:
     # -- the step
     def measure(self, loss: torch.Tensor, *, loss_value: torch.Tensor | None = None,
                 riders: torch.Tensor | None = None) -> GradientMeasurement:
-        """First pass: ``backward(loss, retain_graph=True)`` measuring each gradient and dropping it.
+        """First pass: ``backward(loss, retain_graph=True)`` measuring each gradient and dropping it (or
+        keeping it, within the budget; when every gradient fits, the graph is not retained: there will be
+        no second pass).
         ``loss``: what the unfused step would backward (the scaled loss with a scaler). ``loss_value``
         (0-dim) and ``riders`` (1-D) are read in the same single host sync, as
         :meth:`library.grad_guard.GradientMonitor.measure` does; the result has its meaning. Follow it
@@ -441,8 +445,10 @@ class FusedBackward:
         self._reentrant = False
         self._outer_task = None
         root = loss.grad_fn.register_prehook(self._note_outer_task) if loss.grad_fn is not None else None
+        # every gradient fits: no second pass, so the backward frees the graph as it goes (as an unfused one)
+        self._retained = self._gradient_bytes > self._keep_limit
         try:
-            self._run("measure", loss, retain=True)
+            self._run("measure", loss, retain=self._retained)
         finally:
             if root is not None:
                 root.remove()
@@ -491,6 +497,8 @@ class FusedBackward:
         self._apply_computed = computed
         _set_rng_state(rng_state)
         if inputs:  # else every gradient was kept: no second pass (the graph goes with the loss)
+            if not self._retained:  # cannot happen: the budget held every trainable parameter's gradient
+                raise RuntimeError("fused backward: a gradient was dropped from a graph that was not retained")
             # pruned to the gradients still needed, unless nothing was kept (every leaf, as an unfused
             # backward) or a reentrant checkpoint forbids it (then the hooks drop the kept ones' again)
             pruned = len(inputs) < sum(self._received) and not self._reentrant
