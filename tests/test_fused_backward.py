@@ -255,6 +255,21 @@ def test_the_second_pass_skips_the_kept_gradients_part_of_the_graph(tiny_unet):
         assert torch.equal(a, b)
 
 
+def test_the_automatic_budget_keeps_a_fifth_of_the_gradients(tiny_unet):
+    """Default budget: the smaller of KEPT_GRADIENT_SHARE of the trainable gradients' bytes (here, far below
+    half the machine's free memory) and half the free memory (a gradient size above it); a size given in GiB
+    is taken as it is. The run keeps at most that share, and some of it."""
+    budget = fused_backward.kept_gradient_budget(None, torch.device("cpu"))
+    assert budget(10 * 2**20) == int(0.2 * 10 * 2**20)
+    half_free = 0.5 * fused_backward.available_memory_bytes(torch.device("cpu"))
+    assert 0.8 * half_free < budget(2**60) < 1.2 * half_free
+    assert fused_backward.kept_gradient_budget(0.5, torch.device("cpu"))(2**60) == 2**29
+    passes: list = []
+    run(tiny_unet, adafactor, 2, fused=True, kept_gradient_bytes=budget, passes=passes)
+    total = sum(p.numel() * p.element_size() for p in tiny_unet.parameters() if p.requires_grad)
+    assert all(0 < kept <= 0.2 * total and recomputed > 0 for kept, recomputed in passes)
+
+
 def test_the_graph_is_freed_after_apply_and_discard(tiny_unet):
     """No second pass (all kept) and a discarded step (no backward at all) still release every tensor
     the graph saved: nothing but the caller's loss held it."""
