@@ -99,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="apply Adafactor's update to each parameter as soon as its gradient is ready, then free the gradient: "
              "no full gradient in memory (bf16 weights: stochastic rounding, as kohya). The gradient guard, the fp16 "
              "loss scaler and --max_grad_norm still see the whole step's gradient: a first backward measures it, a "
-             "second one (same graph) applies the update: one more backward per step (1.2x the step on a CPU, up to "
-             "1.7x where the optimizer step is cheap; docs/fused_backward.md). Needs --optimizer_type Adafactor and "
+             "second one (same graph, pruned to the gradients the first did not keep: "
+             "--fused_backward_kept_gradient_gib) applies the update (a full-size SDXL UNet's step: 0.9x kohya's "
+             "fused one on a CPU; docs/fused_backward.md). Needs --optimizer_type Adafactor and "
              "--gradient_accumulation_steps 1. Default: off")
     group.add_argument(
         "--fused_optimizer_groups", type=int, default=None, metavar="N",
@@ -116,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "layers nearest the input, the time embedding), so the applying backward skips their part of the "
              "graph (a full-size SDXL UNet's down blocks: ~1.5 GiB in bf16, about a third of that backward). The "
              "same weights either way. 0: keep none (kohya's memory: no gradient held). Default: auto, the smaller of "
-             f"{KEPT_GRADIENT_SHARE:.0%} of the trainable gradients' size and {KEPT_GRADIENT_MEMORY_SHARE:.0%} of "
+             f"{KEPT_GRADIENT_SHARE * 100:.0f}%% of the trainable gradients' size and "
+             f"{KEPT_GRADIENT_MEMORY_SHARE * 100:.0f}%% of "
              "the memory available when each step's backward starts")
 
 

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the healthy point is kept: memory (CPU memory), disk (one file per process in "
              "<output_dir>/<output_name>-healthy/, written atomically at each healthy point and removed when the "
              "run ends; a state saved meanwhile holds a hard link of it), or auto: memory while the point is at most "
-             f"{healthy_point.MEMORY_SHARE:.0%} of the available memory, else disk (a full fine-tune's weights and "
+             f"{healthy_point.MEMORY_SHARE * 100:.0f}%% of the available memory, else disk (a full fine-tune's weights and "
              "optimizer state; docs/full_fine_tuning.md says what a write costs). A rewind from either gives the "
              "same weights. Default: auto")
     add("--rewind_lr_factor", type=float, default=0.1, metavar="F",

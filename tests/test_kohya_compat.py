@@ -1,7 +1,9 @@
 """kohya-ss options that GUIs and presets pass: accepted, honoured, or refused in one line."""
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -415,3 +417,16 @@ def test_a_run_that_fails_before_its_first_step_keeps_the_old_logs(tiny_models, 
                                                str(tracker_config)], capsys)
     assert error.startswith(f"error: --log_tracker_config {tracker_config}: a tracker refused its options")
     assert ((output_dir / "gradient_logs+last.txt").read_bytes(), (tmp_path / "steps.jsonl").read_bytes()) == before
+
+
+@pytest.mark.parametrize("script", ["sdxl_train_network", "train_network", "sdxl_train", "train_db", "fine_tune",
+                                    "sdxl_train_leco", "train_leco", "sdxl_train_textual_inversion",
+                                    "train_textual_inversion"])
+def test_every_trainer_prints_its_help(script):
+    """``--help`` expands ``%`` in every option's help (a literal percent sign must be ``%%``: two options once
+    broke every trainer's --help with a TypeError); each option not hidden (the debug ones) is listed."""
+    parser = importlib.import_module(script).setup_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.help != argparse.SUPPRESS:
+            assert all(option in text for option in action.option_strings), action.option_strings
